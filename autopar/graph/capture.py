@@ -1,0 +1,402 @@
+"""Capture one training step (forward, loss, backward) as an ATen-level op graph on fake tensors.
+
+How: `make_fx` traces a function that runs the model functionally on meta parameters and calls
+`torch.autograd.grad`, so the graph holds forward and backward ops and no memory is allocated.
+Module hooks tag forward ops with the module that issued them; prehooks on the autograd graph tag
+each backward op with the module of the forward op it differentiates (matched by autograd
+sequence number), which is what AOTAutograd does to carry module stacks into backward graphs.
+
+Attention: on the meta device PyTorch would decompose `scaled_dot_product_attention` into the
+math path (bmm + softmax, saving the T×T scores). GPUs run a fused kernel, so while tracing we
+route it to the fused flash (no mask) or memory-efficient (with mask) ATen op, whose FLOP formulas
+and saved tensors are what a GPU step really has.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from typing import Any, Callable
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from autopar.errors import CaptureError
+from autopar.graph import flops as work
+from autopar.graph.ir import OpGraph, OpNode, ParamInfo, StepMemory, TensorMeta
+from autopar.graph.layers import detect_layer_types
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    precision: str = "fp32",
+    name: str | None = None,
+    seq_len: int | None = None,
+) -> OpGraph:
+    """Trace `model` on `example_inputs` (a tensor, a tuple, or a dict of keyword inputs).
+
+    `loss_fn(output, *inputs)` gives the scalar to differentiate; by default the mean of the
+    model's first floating output. Parameters and inputs are replaced by meta tensors of the
+    compute dtype of `precision`: the model itself is not modified and may live on any device.
+    """
+    if precision not in PRECISIONS:
+        raise CaptureError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    dtype = PRECISIONS[precision]
+    name = name or type(model).__name__
+    args, kwargs = _split_inputs(example_inputs)
+
+    params, infos = _meta_parameters(model, dtype)
+    buffers = {n: _to_meta(b, dtype) for n, b in model.named_buffers()}
+    meta_args = [_to_meta(a, dtype) if isinstance(a, torch.Tensor) else a for a in args]
+    meta_kwargs = {k: _to_meta(v, dtype) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    trainable = [n for n, p in params.items() if p.requires_grad]
+    if not trainable:
+        raise CaptureError(f"model {name} has no trainable parameters: nothing to parallelize for training")
+
+    tags = _ModuleTagger(model)
+    param_names, buffer_names = list(params), list(buffers)
+    tensor_arg_positions = [i for i, a in enumerate(meta_args) if isinstance(a, torch.Tensor)]
+
+    def step(*flat: torch.Tensor):
+        p = dict(zip(param_names, flat[: len(param_names)]))
+        b = dict(zip(buffer_names, flat[len(param_names): len(param_names) + len(buffer_names)]))
+        call_args = list(meta_args)
+        for slot, value in zip(tensor_arg_positions, flat[len(param_names) + len(buffer_names):]):
+            call_args[slot] = value
+        with _FusedAttention():
+            output = functional_call(model, (p, b), tuple(call_args), meta_kwargs)
+        tags.set_module("")
+        loss = loss_fn(output, *call_args) if loss_fn is not None else _default_loss(output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise CaptureError(f"the loss of {name} is not a scalar tensor: pass loss_fn returning one")
+        tags.tag_backward(loss)
+        grads = torch.autograd.grad(loss, [p[n] for n in trainable], allow_unused=True)
+        return loss, [g for g in grads if g is not None]
+
+    flat_inputs = list(params.values()) + list(buffers.values()) + [meta_args[i] for i in tensor_arg_positions]
+    with tags, fx_traceback.preserve_node_meta():
+        try:
+            graph_module = make_fx(step, tracing_mode="fake")(*flat_inputs)
+        except CaptureError:
+            raise
+        except Exception as error:  # any failure inside user code or torch: name where it happened
+            raise CaptureError(_capture_failure(name, error, tags.current_path())) from error
+
+    placeholder_names = (
+        [f"param:{n}" for n in param_names]
+        + [f"buffer:{n}" for n in buffer_names]
+        + [f"input:{i}" for i in tensor_arg_positions]
+    )
+    nodes = _convert(graph_module.graph, placeholder_names, tags.module_for_seq)
+    layer_types = detect_layer_types(model, nodes)
+    return OpGraph(
+        model_name=name,
+        model_fingerprint=model_fingerprint(model),
+        precision=precision,
+        batch=_batch_of(meta_args, meta_kwargs),
+        seq_len=seq_len if seq_len is not None else _seq_of(meta_args, meta_kwargs),
+        inputs=[_meta(t) for t in meta_args if isinstance(t, torch.Tensor)],
+        nodes=nodes,
+        params=infos,
+        layer_types=layer_types,
+        step_memory=_step_memory(params, dtype),
+        torch_version=torch.__version__,
+    )
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Identity of a model's architecture: module classes, parameter names and shapes (not dtype)."""
+    digest = hashlib.sha256()
+    for path, module in model.named_modules():
+        digest.update(f"{path}:{type(module).__qualname__};".encode())
+    for path, param in model.named_parameters(remove_duplicate=False):
+        digest.update(f"{path}:{tuple(param.shape)};".encode())
+    return digest.hexdigest()[:16]
+
+
+# --- tracing helpers ---------------------------------------------------------------------------
+class _FusedAttention(TorchFunctionMode):
+    """Route SDPA to the fused kernels a GPU runs (see module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value = args[:3]
+        rest = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]))
+        rest.update(kwargs)
+        if query.shape[-3] != key.shape[-3] and query.dim() == 4:  # grouped-query attention
+            repeats = query.shape[-3] // key.shape[-3]
+            key = key.repeat_interleave(repeats, dim=-3)
+            value = value.repeat_interleave(repeats, dim=-3)
+        dropout, causal, scale = rest.get("dropout_p", 0.0), rest.get("is_causal", False), rest.get("scale")
+        mask = rest.get("attn_mask")
+        if mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout, causal, False, scale=scale
+            )[0]
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+        mask = mask.to(query.dtype).expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, mask, True, dropout, causal, scale=scale
+        )[0]
+
+
+class _ModuleTagger:
+    """Tags graph nodes with the module path that issued them, forward and backward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+        self.stack: list[str] = []
+        self.seq_marks: list[int] = []  # autograd sequence number at each module enter/exit
+        self.seq_paths: list[str] = []
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> "_ModuleTagger":
+        self.handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._enter),
+            nn.modules.module.register_module_forward_hook(self._exit),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        fx_traceback.current_meta.pop("custom", None)
+
+    def current_path(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def set_module(self, path: str) -> None:
+        self.seq_marks.append(torch.autograd._get_sequence_nr())
+        self.seq_paths.append(path)
+        fx_traceback.current_meta["custom"] = {"module": path}
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        path = self.paths.get(id(module))
+        if path is not None:
+            self.stack.append(path)
+            self.set_module(path)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.paths.get(id(module)) is not None and self.stack:
+            self.stack.pop()
+            self.set_module(self.current_path())
+
+    def module_for_seq(self, seq: int) -> str:
+        index = bisect.bisect_right(self.seq_marks, seq) - 1
+        return self.seq_paths[index] if index >= 0 else ""
+
+    def tag_backward(self, loss: torch.Tensor) -> None:
+        """Before each grad_fn runs, tag the ops it emits with its forward op's module."""
+        seen: set[int] = set()
+        frontier = [loss.grad_fn]
+        while frontier:
+            fn = frontier.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            fn.register_prehook(self._backward_prehook(self.module_for_seq(fn._sequence_nr())))
+            frontier.extend(next_fn for next_fn, _ in fn.next_functions)
+
+    @staticmethod
+    def _backward_prehook(path: str):
+        def prehook(grad_outputs: Any) -> None:
+            fx_traceback.current_meta["custom"] = {"module": path}
+
+        return prehook
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise CaptureError(
+        f"example inputs must be a tensor, a tuple of them or a dict of keyword inputs, got {type(example_inputs).__name__}"
+    )
+
+
+def _to_meta(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    target = dtype if tensor.is_floating_point() else tensor.dtype
+    return torch.empty(tensor.shape, dtype=target, device="meta")
+
+
+def _meta_parameters(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[ParamInfo]]:
+    params: dict[str, torch.Tensor] = {}
+    infos: dict[int, ParamInfo] = {}
+    for path, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in infos:  # tied weight: one parameter, several names
+            infos[id(param)].aliases.append(path)
+            continue
+        meta = _to_meta(param, dtype).requires_grad_(param.requires_grad)
+        params[path] = meta
+        infos[id(param)] = ParamInfo(
+            name=path, shape=tuple(param.shape), dtype=str(meta.dtype).removeprefix("torch."),
+            numel=param.numel(), module_path=path.rpartition(".")[0],
+        )
+    return params, list(infos.values())
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    if isinstance(output, dict) or hasattr(output, "keys"):  # dict or Hugging Face ModelOutput
+        if output.get("loss") is not None:
+            return output["loss"]
+        output = list(output.values())
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad:
+            return leaf.float().mean()
+    raise CaptureError("the model returned no floating tensor that depends on its parameters: pass loss_fn")
+
+
+def _capture_failure(name: str, error: Exception, path: str) -> str:
+    detail = " ".join(str(error).split())
+    if len(detail) > 300:
+        detail = detail[:300] + "…"
+    where = f"in module '{path}'" if path else "at the top level"
+    return (
+        f"cannot trace {name} {where}: {type(error).__name__}: {detail} "
+        f"-- autopar can still plan module-level data parallel / FSDP for this model (no tensor-parallel graph)"
+    )
+
+
+def _batch_of(args: list, kwargs: dict) -> int:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 1
+
+
+def _seq_of(args: list, kwargs: dict) -> int | None:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point():
+            return int(value.shape[1])  # token ids: (batch, seq)
+    return None
+
+
+def _meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=tuple(int(s) for s in tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."))
+
+
+def _step_memory(params: dict[str, torch.Tensor], dtype: torch.dtype) -> StepMemory:
+    """Adam with mixed precision holds fp32 master weights and two fp32 moments per trainable
+    parameter: 12 bytes beyond the 2-byte weight and gradient (Rajbhandari et al., ZeRO, SC'20, §3.1).
+    """
+    element = torch.empty((), dtype=dtype).element_size()
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    master = 4 * trainable if dtype != torch.float32 else 0
+    return StepMemory(
+        param_bytes=total,
+        grad_bytes=element * trainable,
+        optimizer_state_bytes=8 * trainable + master,
+        master_weight_bytes=master,
+    )
+
+
+# --- fx graph → OpNodes ------------------------------------------------------------------------
+def _convert(graph: torch.fx.Graph, placeholder_names: list[str], module_for_seq) -> list[OpNode]:
+    fx_nodes = list(graph.nodes)
+    output = fx_nodes[-1]
+    loss_node = output.args[0][0]
+    names: dict[torch.fx.Node, str] = {}
+    carried: dict[torch.fx.Node, frozenset[str]] = {}  # parameters an output aliases
+    base: dict[torch.fx.Node, tuple[torch.fx.Node, int]] = {}  # storage owner of an output
+    placeholders = [n for n in fx_nodes if n.op == "placeholder"]
+    for node, label in zip(placeholders, placeholder_names):
+        names[node] = label
+        carried[node] = frozenset([label.removeprefix("param:")]) if label.startswith("param:") else frozenset()
+        base[node] = (node, -1)
+
+    records: dict[torch.fx.Node, OpNode] = {}
+    phase = "forward"
+    for node in fx_nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is _getitem:
+            source, index = node.args[0], node.args[1]
+            names[node] = names[source]
+            carried[node] = carried[source]
+            base[node] = (base[source][0], index) if base[source][0] is source else base[source]
+            continue
+        inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, torch.fx.Node)]
+        input_meta = [_meta(a.meta["val"]) for a in inputs if isinstance(a.meta.get("val"), torch.Tensor)]
+        outputs = [t for t in tree_flatten(node.meta.get("val"))[0] if isinstance(t, torch.Tensor)]
+        output_meta = [_meta(t) for t in outputs]
+        view = work.is_view(node.target)
+        names[node] = node.name
+        carried[node] = frozenset().union(*(carried[a] for a in inputs)) if view and inputs else frozenset()
+        base[node] = base[inputs[0]] if view and inputs else (node, 0 if len(outputs) <= 1 else -1)
+        arg_vals = tree_map_nodes(node.args)
+        kwarg_vals = tree_map_nodes(node.kwargs)
+        custom = node.meta.get("custom") or {}
+        records[node] = OpNode(
+            name=node.name,
+            op=work.op_name(node.target),
+            phase=phase,
+            inputs=list(dict.fromkeys(names[a] for a in inputs)),
+            input_meta=input_meta,
+            output_meta=output_meta,
+            flops=0 if view else work.tensor_flops(node.target, arg_vals, kwarg_vals, node.meta.get("val")),
+            vector_flops=0 if view else work.vector_flops(
+                node.target, [m.numel for m in input_meta], [m.numel for m in output_meta]
+            ),
+            bytes_read=0 if view else sum(m.bytes for m in input_meta),
+            bytes_written=0 if view else sum(m.bytes for m in output_meta),
+            is_view=view,
+            params=sorted(frozenset().union(*(carried[a] for a in inputs))) if inputs else [],
+            module_path=custom.get("module", ""),
+        )
+        if node is loss_node or (isinstance(loss_node, torch.fx.Node) and loss_node.target is _getitem
+                                  and node is loss_node.args[0]):
+            phase = "backward"
+    _mark_saved(records, base)
+    return list(records.values())
+
+
+_getitem = __import__("operator").getitem
+
+
+def tree_map_nodes(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return value.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        return type(value)(tree_map_nodes(v) for v in value)
+    if isinstance(value, dict):
+        return {k: tree_map_nodes(v) for k, v in value.items()}
+    return value
+
+
+def _mark_saved(records: dict[torch.fx.Node, OpNode], base: dict) -> None:
+    """A forward output read by a backward op stays alive across the step: count its bytes once."""
+    saved: set[tuple[torch.fx.Node, int]] = set()
+    for node, record in records.items():
+        if record.phase != "backward":
+            continue
+        for arg in tree_flatten((node.args, node.kwargs))[0]:
+            if not isinstance(arg, torch.fx.Node) or arg not in base:
+                continue
+            owner, index = base[arg]
+            owner_record = records.get(owner)
+            if owner_record is not None and owner_record.phase == "forward":
+                saved.add((owner, index))
+    for owner, index in saved:
+        record = records[owner]
+        if index == -1:
+            record.saved_bytes = sum(m.bytes for m in record.output_meta)
+        elif index < len(record.output_meta):
+            record.saved_bytes += record.output_meta[index].bytes

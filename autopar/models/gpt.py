@@ -1,0 +1,119 @@
+"""Megatron-style GPT: learned positions, pre-LayerNorm, GeLU MLP, tied head.
+
+Separate q/k/v projections (rather than one fused matrix) keep every linear a plain column- or
+row-parallel candidate for tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.models.config import TransformerConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        kv_width = self.kv_heads * self.head_dim
+        bias = config.family == "gpt"
+        self.q_proj = nn.Linear(config.hidden, config.hidden, bias=bias)
+        self.k_proj = nn.Linear(config.hidden, kv_width, bias=bias)
+        self.v_proj = nn.Linear(config.hidden, kv_width, bias=bias)
+        self.out_proj = nn.Linear(config.hidden, config.hidden, bias=bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its group
+            repeats = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding in the rotate-half form (real arithmetic, so DTensor and meta handle it)."""
+    cos, sin = rope
+    seq = x.shape[-2]
+    cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return x * cos + rotated * sin
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden, config.ffn_size)
+        self.fc2 = nn.Linear(config.ffn_size, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.hidden, eps=config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.hidden, eps=config.norm_eps)
+        self.mlp = GeluMLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab, config.hidden)
+        self.pos_embed = nn.Embedding(config.seq_len, config.hidden)
+        self.layers = nn.ModuleList(GPTBlock(config) for _ in range(config.layers))
+        self.final_norm = nn.LayerNorm(config.hidden, eps=config.norm_eps)
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+        if config.tied:
+            self.head.weight = self.embed.weight
+        init_transformer_weights(self, config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embed(input_ids) + self.pos_embed(positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.final_norm(x))
+
+
+def init_transformer_weights(model: nn.Module, config: TransformerConfig) -> None:
+    """GPT-2 style init: N(0, std) weights, zero biases, output projections scaled by 1/sqrt(2L).
+
+    Deterministic for a given torch seed, so a sharded run can rebuild the same weights.
+    """
+    out_std = config.init_std / math.sqrt(2 * config.layers)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            is_output = name.endswith(("out_proj", "fc2", "down_proj"))
+            nn.init.normal_(module.weight, mean=0.0, std=out_std if is_output else config.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=config.init_std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)

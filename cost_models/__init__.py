@@ -1,0 +1,1 @@
+"""Compute, communication, memory and pipeline cost models (issue #4); nothing is implemented here yet."""

@@ -1,0 +1,1 @@
+"""Per-operator and collective profiling (issue #3); nothing is implemented here yet."""

@@ -1,0 +1,1 @@
+"""Plan execution on torch.distributed (issue #6); nothing is implemented here yet."""
