@@ -1,0 +1,16 @@
+"""autopar: automatic parallelization planning for PyTorch training.
+
+Data flows one way: model → op graph → profile → costs → search → plan → runtime.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("autopar")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0.1.0+src"
+
+from autopar.errors import AutoparError, CaptureError
+from autopar.graph import OpGraph, model_fingerprint, trace
+
+__all__ = ["__version__", "AutoparError", "CaptureError", "OpGraph", "trace", "model_fingerprint"]

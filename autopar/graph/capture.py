@@ -15,7 +15,9 @@ and saved tensors are what a GPU step really has.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
+import logging
 from typing import Any, Callable
 
 import torch
@@ -85,13 +87,15 @@ def trace(
         return loss, [g for g in grads if g is not None]
 
     flat_inputs = list(params.values()) + list(buffers.values()) + [meta_args[i] for i in tensor_arg_positions]
-    with tags, fx_traceback.preserve_node_meta():
+    with tags, fx_traceback.preserve_node_meta(), _quiet_fake_tensor_logs():
         try:
             graph_module = make_fx(step, tracing_mode="fake")(*flat_inputs)
         except CaptureError:
             raise
         except Exception as error:  # any failure inside user code or torch: name where it happened
-            raise CaptureError(_capture_failure(name, error, tags.current_path())) from error
+            where = tags.current_path()
+            owner = model.get_submodule(where) if where else model
+            raise CaptureError(_capture_failure(name, error, where, type(owner).__name__)) from error
 
     placeholder_names = (
         [f"param:{n}" for n in param_names]
@@ -263,11 +267,23 @@ def _default_loss(output: Any) -> torch.Tensor:
     raise CaptureError("the model returned no floating tensor that depends on its parameters: pass loss_fn")
 
 
-def _capture_failure(name: str, error: Exception, path: str) -> str:
+@contextlib.contextmanager
+def _quiet_fake_tensor_logs():
+    """Fake-tensor kernels log a traceback before raising; we report the error once, ourselves."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _capture_failure(name: str, error: Exception, path: str, class_name: str) -> str:
     detail = " ".join(str(error).split())
     if len(detail) > 300:
         detail = detail[:300] + "…"
-    where = f"in module '{path}'" if path else "at the top level"
+    where = f"in module '{path}' ({class_name}.forward)" if path else f"in {class_name}.forward (top level)"
     return (
         f"cannot trace {name} {where}: {type(error).__name__}: {detail} "
         f"-- autopar can still plan module-level data parallel / FSDP for this model (no tensor-parallel graph)"

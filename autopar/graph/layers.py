@@ -1,7 +1,8 @@
 """Repeated-layer detection: structurally identical sibling blocks become one layer type.
 
 Two siblings are the same type when their module trees match (classes, parameter and buffer
-shapes) and the ops traced for them match (targets and shapes, forward and backward). The search
+shapes) and the forward ops traced for them match (targets and shapes). Backward may differ slightly:
+the first block computes no gradient for the model's input. The search
 walks top-down and stops at the first level that repeats, so a GPT's 96 blocks form one type
 rather than 96 × (attention, MLP) types.
 """
@@ -103,6 +104,8 @@ def _nodes_by_module_prefix(model: nn.Module, nodes: list[OpNode]) -> dict[str, 
 def _op_hash(ops: list[OpNode]) -> str:
     digest = hashlib.sha1()
     for op in ops:
+        if op.phase != "forward":  # the first block skips its input gradient: same type all the same
+            continue
         shapes = ",".join(str(m.shape) for m in op.output_meta)
         digest.update(f"{op.op}|{op.phase}|{shapes};".encode())
     return digest.hexdigest()

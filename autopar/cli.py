@@ -1,0 +1,108 @@
+"""The `autopar` command line.
+
+Every user error becomes one line on stderr and a non-zero exit code (2 for bad input); `--debug`
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Sequence
+
+from autopar.errors import AutoparError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line, not a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise AutoparError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="autopar", description="Automatic parallelization for PyTorch training.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    inspect = commands.add_parser(
+        "inspect", help="trace a model and report its parameters, FLOPs, layer types and memory"
+    )
+    _add_model_arguments(inspect)
+    inspect.add_argument("--batch", type=int, default=1, help="batch size of the traced step (default 1)")
+    inspect.add_argument("--cluster", help="preset name or YAML/JSON file: also report how many GPUs the model states need")
+    inspect.add_argument("--gpus", type=int, help="size the cluster preset to this many GPUs")
+    inspect.add_argument("--check-plan", metavar="PATH", help="check that a plan file belongs to this model")
+    inspect.add_argument("--json", metavar="PATH", help="write the summary as JSON to PATH, or - for stdout")
+    inspect.add_argument("--graph", metavar="PATH", help="write the whole op graph as JSON to PATH")
+    inspect.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+    inspect.set_defaults(handler=_inspect)
+    return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="zoo name (e.g. gpt3-175b, llama3-8b) or package.module:factory")
+    parser.add_argument("--model-config", default=None, metavar="K=V,...", help="overrides, e.g. layers=4,hidden=256")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from autopar.graph import trace
+    from autopar.inspect import cluster_fit, render, summarize
+    from autopar.io import atomic_write_text
+    from autopar.models import build_model
+
+    cluster = None
+    if args.cluster:  # checked before the (possibly long) trace, so a bad file fails fast
+        from autopar.cluster import load_cluster
+
+        cluster = load_cluster(args.cluster, gpus=args.gpus)
+    elif args.gpus is not None:
+        raise AutoparError("--gpus sizes a cluster: give --cluster too, e.g. --cluster dgx-h100 --gpus 64")
+    spec = build_model(args.model, args.model_config)
+    inputs = spec.example_inputs(args.batch, args.seq_len)
+    seq_len = args.seq_len or spec.default_seq_len
+    print(f"tracing {spec.name} ({args.precision}, batch {args.batch}, seq {seq_len}) ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    graph = trace(spec.module, inputs, loss_fn=spec.loss_fn, precision=args.precision, name=spec.name, seq_len=seq_len)
+    summary = summarize(graph, time.perf_counter() - started)
+    if cluster is not None:
+        summary["cluster_fit"] = cluster_fit(summary, cluster)
+    if args.check_plan:
+        from autopar.plan import load_plan
+
+        plan = load_plan(args.check_plan, expected_fingerprint=graph.model_fingerprint)
+        summary["plan_check"] = {"path": args.check_plan, "ok": True, "schema_version": plan.schema_version}
+    if args.graph:
+        atomic_write_text(args.graph, graph.to_json())
+    if args.json == "-":
+        print(json.dumps(summary, indent=2))
+        return 0
+    if args.json:
+        atomic_write_text(args.json, json.dumps(summary, indent=2))
+    print(render(summary))
+    if args.check_plan:
+        print(f"\nplan {args.check_plan} matches this model (fingerprint {graph.model_fingerprint})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        if not getattr(args, "command", None):
+            build_parser().print_help()
+            return 2
+        return args.handler(args)
+    except AutoparError as error:
+        if debug:
+            raise
+        print(f"autopar: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
