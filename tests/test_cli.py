@@ -1,0 +1,119 @@
+"""The CLI: real runs of `autopar inspect`, and one clear line for each bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main
+from autopar.graph import OpGraph
+
+SMALL = ["--model", "gpt", "--model-config", "layers=2,hidden=64,heads=4,vocab=100,seq_len=32"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_inspect_table(capsys):
+    code, out, err = run(capsys, "inspect", *SMALL, "--batch", "2")
+    assert code == 0
+    assert "GPTBlock × 2" in out and "forward FLOPs" in out and "tied" in out
+    assert "tracing gpt" in err
+
+
+def test_inspect_json_to_stdout_and_graph_file(capsys, tmp_path):
+    graph_path = tmp_path / "graph.json"
+    code, out, _ = run(capsys, "inspect", *SMALL, "--json", "-", "--graph", str(graph_path), "--precision", "fp32")
+    assert code == 0
+    summary = json.loads(out)
+    assert summary["layer_types"][0]["count"] == 2
+    assert summary["tokens_per_step"] == 32
+    assert summary["memory_bytes"]["optimizer_states"] == 8 * summary["parameters"]
+    graph = OpGraph.from_json(graph_path.read_text())
+    assert graph.forward_flops == summary["forward_flops"]
+
+
+def test_inspect_json_file(capsys, tmp_path):
+    target = tmp_path / "summary.json"
+    code, out, _ = run(capsys, "inspect", *SMALL, "--json", str(target))
+    assert code == 0 and "layer types" in out
+    assert json.loads(target.read_text())["model"] == "gpt"
+
+
+def _assert_one_line_error(code, out, err, *words):
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("tracing ")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("autopar: error: ")
+    assert "Traceback" not in err
+    for word in words:
+        assert word in lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["inspect", "--model", "gpt-9000"], ["unknown model 'gpt-9000'"]),
+        (["inspect", "--model", "no_such_pkg.models:build"], ["cannot import 'no_such_pkg.models'"]),
+        (["inspect", "--model", "gpt2-124m", "--seq-len", "4096"], ["exceeds", "seq_len=4096"]),
+        (["inspect", "--model", "gpt", "--model-config", "hidden=100,heads=3"], ["divisible by heads"]),
+        (["inspect", "--model", "gpt", "--batch", "0"], ["batch must be positive"]),
+        (["inspect"], ["--model"]),
+        (["frobnicate"], ["invalid choice"]),
+        (["inspect", *SMALL, "--gpus", "8"], ["give --cluster too"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, words):
+    _assert_one_line_error(*run(capsys, *argv), *words)
+
+
+def test_untraceable_model_is_one_line(capsys, tmp_path, monkeypatch):
+    module = tmp_path / "branchy.py"
+    module.write_text(
+        "import torch\n"
+        "class Branchy(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.inner = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return self.inner(x)\n"
+        "    def example_inputs(self, batch, seq, device='meta'):\n"
+        "        return (torch.empty(batch, 8, device=device),)\n"
+        "class Inner(torch.nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        y = super().forward(x)\n"
+        "        return y * 2 if y.sum() > 0 else y\n"
+        "def build():\n"
+        "    model = Branchy(); model.inner = Inner(8, 8); return model\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run(capsys, "inspect", "--model", "branchy:build")
+    _assert_one_line_error(code, out, err, "cannot trace", "in module 'inner'", "data parallel / FSDP")
+
+
+def test_failed_run_writes_nothing(capsys, tmp_path):
+    target = tmp_path / "summary.json"
+    code, _, _ = run(capsys, "inspect", "--model", "gpt-9000", "--json", str(target))
+    assert code == 2 and not target.exists()
+    code, _, err = run(capsys, "inspect", *SMALL, "--json", str(tmp_path / "missing-dir" / "out.json"))
+    _assert_one_line_error(code, "", err, "does not exist")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(Exception, match="unknown model"):
+        main(["--debug", "inspect", "--model", "gpt-9000"])
+
+
+def test_python_dash_m_is_the_same_cli():
+    result = subprocess.run(
+        [sys.executable, "-m", "autopar", "inspect", "--model", "gpt-9000"],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("autopar: error: unknown model")
+    assert "Traceback" not in result.stderr
