@@ -1,0 +1,311 @@
+"""The plan: what the searcher decides and the runtime executes, as versioned JSON.
+
+A plan is checked on load against its schema version and the model it was made for, so a stale
+or foreign plan fails with one line instead of mis-sharding a run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from autopar.errors import AutoparError
+from autopar.io import atomic_write_text
+from autopar.validation import condense_validation_error, one_line
+
+PLAN_SCHEMA_VERSION = 1
+
+_PLACEMENT = re.compile(r"R|P|S\((\d+)\)")
+
+
+def parse_placements(text: str) -> list[tuple[str, int | None]]:
+    """DTensor-style placements, one per mesh axis: "S(0)R" -> [("S", 0), ("R", None)].
+
+    S(d) shards tensor dim d over the axis, R replicates, P holds partial sums awaiting a reduce.
+    """
+    placements: list[tuple[str, int | None]] = []
+    position = 0
+    while position < len(text):
+        match = _PLACEMENT.match(text, position)
+        if match is None:
+            raise AutoparError(
+                f"malformed placement string {text!r} at character {position + 1}: expected R, P or S(<dim>) "
+                f"per mesh axis, e.g. 'S(0)R'"
+            )
+        dim = match.group(1)
+        placements.append((match.group(0)[0], int(dim) if dim is not None else None))
+        position = match.end()
+    if not placements:
+        raise AutoparError("empty placement string: give one of R, P or S(<dim>) per mesh axis, e.g. 'S(0)R'")
+    return placements
+
+
+def _valid_placements(text: str) -> str:
+    try:
+        parse_placements(text)
+    except AutoparError as error:
+        raise ValueError(str(error)) from None
+    return text
+
+
+Placements = Annotated[str, AfterValidator(_valid_placements)]
+
+
+class _Record(BaseModel):
+    """Plan parts are values: frozen, and unknown fields are errors (a newer plan is a new version)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MeshAxis(_Record):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    size: int = Field(gt=0)
+
+
+class StagePlan(_Record):
+    """One pipeline stage: which modules it runs and on which ranks."""
+
+    index: int = Field(ge=0)
+    module_paths: list[str]
+    device_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    mesh_shape: dict[str, Annotated[int, Field(gt=0)]]
+
+    @model_validator(mode="after")
+    def _mesh_covers_devices(self) -> StagePlan:
+        if len(set(self.device_ids)) != len(self.device_ids):
+            raise ValueError(f"stage {self.index} lists a device id twice: {self.device_ids}")
+        if math.prod(self.mesh_shape.values()) != len(self.device_ids):
+            raise ValueError(
+                f"stage {self.index} mesh_shape {self.mesh_shape} holds {math.prod(self.mesh_shape.values())} "
+                f"devices but device_ids lists {len(self.device_ids)}"
+            )
+        return self
+
+
+class Strategy(_Record):
+    """The knobs the searcher turns; the runtime reads nothing else to set up parallelism."""
+
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    sp: bool = False
+    zero: int = Field(default=0, ge=0, le=3)
+    recompute: Literal["none", "selective", "full"] = "none"
+    microbatch: int = Field(ge=1)
+    num_microbatches: int = Field(ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    vp: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Strategy:
+        if self.vp > 1 and self.schedule != "interleaved":
+            raise ValueError(f"vp={self.vp} virtual stages need schedule 'interleaved', not '{self.schedule}'")
+        if self.sp and self.tp == 1:
+            raise ValueError("sequence parallel (sp) splits along the tp group: it needs tp > 1")
+        return self
+
+
+class PredictedMetrics(_Record):
+    """What the cost model expects, kept so a run can be compared with its prediction."""
+
+    step_time_s: float = Field(gt=0)
+    tokens_per_s: float = Field(ge=0)
+    tflops_per_gpu: float = Field(ge=0)
+    mfu: float = Field(ge=0, le=1)
+    peak_memory_bytes: list[Annotated[int, Field(ge=0)]]  # one per pipeline rank (virtual stages share it)
+    breakdown: dict[str, Annotated[float, Field(ge=0)]] = {}  # seconds: compute, exposed_communication, ...
+
+
+def _iso_timestamp(text: str) -> str:
+    try:
+        datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"not an ISO 8601 timestamp: {text!r}") from None
+    return text
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _autopar_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autopar")
+    except PackageNotFoundError:
+        return "0.1.0+src"
+
+
+class Provenance(_Record):
+    """Which model, cluster and autopar made the plan: what `load_plan` checks it against."""
+
+    model_name: str
+    model_fingerprint: str = Field(min_length=1)
+    cluster_name: str
+    world_size: int = Field(gt=0)
+    autopar_version: str = Field(default_factory=_autopar_version)
+    created_at: Annotated[str, AfterValidator(_iso_timestamp)] = Field(default_factory=_now)
+
+
+class Plan(_Record):
+    schema_version: int = PLAN_SCHEMA_VERSION
+    mesh: list[MeshAxis] = Field(min_length=1)
+    strategy: Strategy
+    stages: list[StagePlan]
+    param_placements: dict[str, Placements] = {}
+    op_placements: dict[str, Placements] = {}
+    recompute_modules: list[str] = []
+    predicted: PredictedMetrics | None = None
+    provenance: Provenance
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        sizes = {axis.name: axis.size for axis in self.mesh}
+        shape = " x ".join(f"{axis.name}={axis.size}" for axis in self.mesh)
+        world_size = self.provenance.world_size
+        if len(sizes) != len(self.mesh):
+            raise ValueError(f"mesh {shape} names an axis twice")
+        if math.prod(sizes.values()) != world_size:
+            raise ValueError(
+                f"mesh {shape} holds {math.prod(sizes.values())} devices but the world size is {world_size}: "
+                f"the mesh must cover every device exactly once"
+            )
+        for knob in ("dp", "tp", "pp"):
+            if sizes.get(knob, 1) != getattr(self.strategy, knob):
+                raise ValueError(f"mesh axis {knob}={sizes.get(knob, 1)} but strategy.{knob}={getattr(self.strategy, knob)}")
+        expected_stages = self.strategy.pp * self.strategy.vp
+        if len(self.stages) != expected_stages:
+            raise ValueError(f"stages lists {len(self.stages)} but pp x vp = {expected_stages} are needed")
+        for position, stage in enumerate(self.stages):
+            if stage.index != position:
+                raise ValueError(f"stage at position {position} has index {stage.index}: stages must be in order")
+            unknown = sorted(set(stage.mesh_shape) - set(sizes))
+            if unknown:
+                raise ValueError(f"stage {position} mesh_shape names axes {unknown} that the mesh lacks")
+            if max(stage.device_ids) >= world_size:
+                raise ValueError(f"stage {position} uses device {max(stage.device_ids)} of a world of {world_size}")
+        # A parameter lives on one stage, so placements cover a stage's sub-mesh: every axis but pp.
+        stage_axes = [axis.name for axis in self.mesh if axis.name != "pp"]
+        for field in ("param_placements", "op_placements"):
+            for key, text in getattr(self, field).items():
+                if len(parse_placements(text)) != len(stage_axes):
+                    raise ValueError(
+                        f"{field}[{key}] = {text!r} has {len(parse_placements(text))} placements but a stage's "
+                        f"mesh has {len(stage_axes)} axes ({', '.join(stage_axes)}): give one per axis"
+                    )
+        if self.predicted is not None and len(self.predicted.peak_memory_bytes) != self.strategy.pp:
+            raise ValueError(
+                f"predicted.peak_memory_bytes has {len(self.predicted.peak_memory_bytes)} entries; "
+                f"give one per pipeline rank (pp={self.strategy.pp})"
+            )
+        return self
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.model_validate_json(text)
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Serialize first, then write atomically: a crash leaves the old plan or the new, never half."""
+    atomic_write_text(path, plan.to_json())
+
+
+def load_plan(path: str | Path, expected_fingerprint: str | None = None) -> Plan:
+    """Read a plan, refusing other schema versions and plans made for another model."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "not found"
+        raise AutoparError(f"plan file {path} {what}; run `autopar plan` to create one or check the path")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise AutoparError(
+            f"plan file {path} is not valid JSON: {error.msg} at line {error.lineno}; re-run `autopar plan` to regenerate it"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise AutoparError(f"cannot read plan file {path}: {one_line(str(error))}; check the file") from None
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise AutoparError(f"plan file {path} has no schema_version: it is not an autopar plan; check the path")
+    if data["schema_version"] != PLAN_SCHEMA_VERSION:
+        raise AutoparError(
+            f"plan file {path} has schema version {data['schema_version']!r}, this autopar reads version "
+            f"{PLAN_SCHEMA_VERSION}: re-run `autopar plan` to regenerate it"
+        )
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as error:
+        raise AutoparError(
+            f"plan file {path} is invalid: {condense_validation_error(error)}; re-run `autopar plan` to regenerate it"
+        ) from None
+    found = plan.provenance.model_fingerprint
+    if expected_fingerprint is not None and found != expected_fingerprint:
+        raise AutoparError(
+            f"plan {path} was made for model fingerprint {found} ({plan.provenance.model_name}), this model is "
+            f"{expected_fingerprint}: re-run `autopar plan` for this model"
+        )
+    return plan
+
+
+def diff_plans(a: Plan, b: Plan, max_lines_per_section: int = 20) -> list[str]:
+    """What changed from plan `a` to plan `b`, one readable line each; empty when they agree."""
+    lines: list[str] = []
+    mesh = [" x ".join(f"{axis.name}={axis.size}" for axis in plan.mesh) for plan in (a, b)]
+    if mesh[0] != mesh[1]:
+        lines.append(f"mesh: {mesh[0]} -> {mesh[1]}")
+    lines += _diff_mapping("strategy.", a.strategy.model_dump(), b.strategy.model_dump())
+    if len(a.stages) != len(b.stages):
+        lines.append(f"stages: {len(a.stages)} -> {len(b.stages)}")
+    for old, new in zip(a.stages, b.stages):
+        for field in ("module_paths", "device_ids", "mesh_shape"):
+            before, after = getattr(old, field), getattr(new, field)
+            if before != after:
+                lines.append(f"stage {old.index} {field}: {_short(before)} -> {_short(after)}")
+    for field in ("param_placements", "op_placements"):
+        changes = _diff_mapping(f"{field}[", getattr(a, field), getattr(b, field), close="]")
+        lines += _capped(changes, field, max_lines_per_section)
+    if a.recompute_modules != b.recompute_modules:
+        added = [m for m in b.recompute_modules if m not in a.recompute_modules]
+        removed = [m for m in a.recompute_modules if m not in b.recompute_modules]
+        lines.append(f"recompute_modules: added {_short(added)}, removed {_short(removed)}")
+    predicted = [plan.predicted.model_dump() if plan.predicted else {} for plan in (a, b)]
+    lines += _diff_mapping("predicted.", *predicted)
+    provenance = [plan.provenance.model_dump(exclude={"created_at"}) for plan in (a, b)]
+    lines += _diff_mapping("provenance.", *provenance)
+    if a.schema_version != b.schema_version:
+        lines.append(f"schema_version: {a.schema_version} -> {b.schema_version}")
+    return lines
+
+
+def _diff_mapping(prefix: str, a: dict[str, Any], b: dict[str, Any], close: str = "") -> list[str]:
+    lines = []
+    for key in list(a) + [key for key in b if key not in a]:
+        if key not in b:
+            lines.append(f"{prefix}{key}{close}: {_short(a[key])} -> (absent)")
+        elif key not in a:
+            lines.append(f"{prefix}{key}{close}: (absent) -> {_short(b[key])}")
+        elif a[key] != b[key]:
+            lines.append(f"{prefix}{key}{close}: {_short(a[key])} -> {_short(b[key])}")
+    return lines
+
+
+def _capped(lines: list[str], what: str, limit: int) -> list[str]:
+    if len(lines) <= limit:
+        return lines
+    return lines[:limit] + [f"... and {len(lines) - limit} more {what} changes"]
+
+
+def _short(value: Any, max_items: int = 4) -> str:
+    """Long module lists shown by their ends, so a diff line stays readable."""
+    if isinstance(value, list) and len(value) > max_items:
+        return f"[{', '.join(map(str, value[:2]))}, ... {len(value) - 3} more ..., {value[-1]}]"
+    return one_line(str(value), max_chars=120)
