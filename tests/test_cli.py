@@ -117,3 +117,71 @@ def test_python_dash_m_is_the_same_cli():
     assert result.returncode == 2
     assert result.stderr.strip().startswith("autopar: error: unknown model")
     assert "Traceback" not in result.stderr
+
+
+def _plan_for(fingerprint, path, schema_version=None):
+    from autopar.plan import MeshAxis, Plan, Provenance, StagePlan, Strategy, save_plan
+
+    plan = Plan(
+        mesh=[MeshAxis(name="dp", size=2)],
+        strategy=Strategy(dp=2, tp=1, pp=1, microbatch=1, num_microbatches=1),
+        stages=[StagePlan(index=0, module_paths=["embed", "layers.0", "layers.1", "head"], device_ids=[0, 1],
+                          mesh_shape={"dp": 2})],
+        provenance=Provenance(model_name="gpt", model_fingerprint=fingerprint, cluster_name="dgx-h100", world_size=2),
+    )
+    save_plan(plan, path)
+    if schema_version is not None:
+        data = json.loads(Path(path).read_text())
+        data["schema_version"] = schema_version
+        Path(path).write_text(json.dumps(data))
+    return path
+
+
+def test_cluster_fit_and_plan_check(capsys, tmp_path):
+    code, out, _ = run(capsys, "inspect", *SMALL, "--json", "-")
+    fingerprint = json.loads(out)["model_fingerprint"]
+    plan_path = _plan_for(fingerprint, tmp_path / "plan.json")
+    code, out, _ = run(capsys, "inspect", *SMALL, "--cluster", "dgx-h100", "--gpus", "16",
+                       "--check-plan", str(plan_path), "--json", "-")
+    assert code == 0
+    summary = json.loads(out)
+    assert summary["cluster_fit"]["world_size"] == 16
+    assert summary["cluster_fit"]["min_gpus_for_model_states"] == 1
+    assert summary["plan_check"]["ok"] is True
+
+
+def test_gpt3_175b_needs_many_a100s_for_its_model_states(capsys):
+    code, out, _ = run(capsys, "inspect", "--model", "gpt3-175b", "--seq-len", "128",
+                       "--cluster", "dgx-a100-80gb", "--gpus", "64", "--json", "-")
+    assert code == 0
+    fit = json.loads(out)["cluster_fit"]
+    # 16 bytes/parameter (bf16 weight and gradient, fp32 master and Adam moments) over 80 GiB GPUs.
+    assert fit["min_gpus_for_model_states"] == -(-16 * 174_604_259_328 // (80 * 2**30))
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("gpu: [unclosed\n", ["not valid YAML", "line 2"]),
+        ("preset: dgx-h100\ngpu: B300-imaginary\n", ["unknown GPU kind", "B300-imaginary"]),
+        ("name: x\ngpus_per_node: 8\n", ["gpu"]),
+    ],
+)
+def test_bad_cluster_file_is_one_line(capsys, tmp_path, content, words):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(content)
+    _assert_one_line_error(*run(capsys, "inspect", *SMALL, "--cluster", str(path)), *words)
+
+
+def test_bad_cluster_arguments(capsys, tmp_path):
+    _assert_one_line_error(*run(capsys, "inspect", *SMALL, "--cluster", "dgx-h9000"), "unknown", "dgx-h9000")
+    _assert_one_line_error(*run(capsys, "inspect", *SMALL, "--cluster", "dgx-h100", "--gpus", "12"), "12")
+    _assert_one_line_error(*run(capsys, "inspect", *SMALL, "--cluster", str(tmp_path / "nope.yaml")), "nope.yaml")
+
+
+def test_plan_for_another_model_or_version_is_one_line(capsys, tmp_path):
+    foreign = _plan_for("ffffffffffffffff", tmp_path / "foreign.json")
+    _assert_one_line_error(*run(capsys, "inspect", *SMALL, "--check-plan", str(foreign)), "fingerprint", "autopar plan")
+    code, out, _ = run(capsys, "inspect", *SMALL, "--json", "-")
+    old = _plan_for(json.loads(out)["model_fingerprint"], tmp_path / "old.json", schema_version=0)
+    _assert_one_line_error(*run(capsys, "inspect", *SMALL, "--check-plan", str(old)), "schema version 0")
