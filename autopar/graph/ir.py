@@ -43,6 +43,7 @@ class OpNode(BaseModel):
     phase: Literal["forward", "backward"]
     inputs: list[str] = Field(default_factory=list)  # names of producer nodes (placeholders included)
     input_meta: list[TensorMeta] = Field(default_factory=list)
+    input_names: list[str] = Field(default_factory=list)  # producer of each input_meta entry, in argument order
     output_meta: list[TensorMeta] = Field(default_factory=list)
     flops: int = 0  # tensor-core work (matmul, convolution, attention) as torch's FLOP counter counts it
     vector_flops: int = 0  # approximate elementwise/reduction work: one per element touched

@@ -73,10 +73,17 @@ class GPTBlock(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.hidden, eps=config.norm_eps)
         self.mlp = GeluMLP(config)
+        self.dropout = residual_dropout(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.dropout(self.attn(self.ln1(x)))
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+def residual_dropout(config: TransformerConfig) -> nn.Module:
+    """Dropout on residual branches and embeddings (GPT-2/Megatron style); absent at p=0 so a
+    dropout-free model traces and runs no dropout ops at all."""
+    return nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
 
 
 class GPT(nn.Module):
@@ -85,6 +92,7 @@ class GPT(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab, config.hidden)
         self.pos_embed = nn.Embedding(config.seq_len, config.hidden)
+        self.embed_dropout = residual_dropout(config)
         self.layers = nn.ModuleList(GPTBlock(config) for _ in range(config.layers))
         self.final_norm = nn.LayerNorm(config.hidden, eps=config.norm_eps)
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
@@ -94,7 +102,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.embed(input_ids) + self.pos_embed(positions)
+        x = self.embed_dropout(self.embed(input_ids) + self.pos_embed(positions))
         for layer in self.layers:
             x = layer(x)
         return self.head(self.final_norm(x))

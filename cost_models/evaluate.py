@@ -1,0 +1,243 @@
+"""The what-if evaluator: predicted step time, throughput and memory of one strategy.
+
+Pure function of (model facts, cluster, strategy, global batch). Order of a step, as the runtime
+executes it: each pipeline stage runs its forward and backward passes per micro-batch (with the
+tensor-parallel all-reduces inside them, not overlapped, as in Megatron-LM), ZeRO-3 gathers
+weights per micro-batch overlapped with compute, then data-parallel gradient sync overlapped with
+the last micro-batch's backward (bucketed), then the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autopar.cluster import ClusterSpec
+from autopar.plan import Strategy
+from cost_models.communication import collective_time_s, group_layout
+from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, UnitTime, unit_time
+from cost_models.facts import ModelFacts, Unit
+from cost_models.memory import DDP_BUCKET_BYTES, MemoryBreakdown, device_memory, state_bytes_per_param, usable_bytes
+from cost_models.pipeline import PipelineResult, estimate, simulate
+
+# Adam step traffic per parameter: read fp32 master, two moments and the gradient, write master,
+# moments and the low-precision weight copy (about 28 bytes either way).
+OPTIMIZER_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class StageCost:
+    index: int  # virtual stage
+    rank: int  # pipeline rank holding it
+    units: tuple[str, ...]
+    forward_s: float  # one micro-batch, communication inside included
+    backward_s: float
+    activation_bytes: float  # one micro-batch's saved activations
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    strategy: Strategy
+    global_batch: int
+    seq_len: int
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    fits: bool
+    memory: tuple[MemoryBreakdown, ...]  # per pipeline rank
+    breakdown: dict[str, float]
+    stages: tuple[StageCost, ...]
+    pipeline: PipelineResult | None = field(default=None, repr=False)
+    capacity_bytes: float = 0.0
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(m.total_bytes for m in self.memory)
+
+
+def evaluate(
+    facts: ModelFacts,
+    cluster: ClusterSpec,
+    strategy: Strategy,
+    global_batch: int,
+    *,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY,
+    exact: bool = True,
+) -> Evaluation:
+    """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates)."""
+    s = strategy
+    dtype = facts.precision
+    gpu = cluster.gpu
+    b = s.microbatch
+    per = state_bytes_per_param(facts.precision)
+
+    stages_units = partition(facts, s.pp * s.vp)
+    times: dict[tuple[str, str], UnitTime] = {}
+
+    def timed(unit: Unit) -> UnitTime:
+        key = (unit.layer_type or unit.name, unit.name if unit.layer_type is None else "")
+        if key not in times:
+            times[key] = unit_time(unit, gpu, dtype, batch=b, tp=s.tp, sp=s.sp, efficiency=efficiency)
+        return times[key]
+
+    tp_layout = group_layout(s.tp, 1, cluster.gpus_per_node)
+    dp_layout = group_layout(s.dp, s.tp, cluster.gpus_per_node)
+    pp_layout = group_layout(s.pp, s.dp * s.tp, cluster.gpus_per_node)
+
+    def reduce_time(total_bytes: float, count: int) -> float:
+        if count == 0 or s.tp == 1:
+            return 0.0
+        return count * collective_time_s("all_reduce", total_bytes / count, tp_layout, cluster)
+
+    stage_costs: list[StageCost] = []
+    compute_parts: list[tuple[float, float, float]] = []  # (compute, recompute, tp comm) per micro-batch
+    rank_params = [0.0] * s.pp
+    rank_largest_unit = [0.0] * s.pp
+    for index, units in enumerate(stages_units):
+        rank = index % s.pp
+        forward = backward = vector = 0.0
+        forward_comm = backward_comm = 0.0
+        activations = 0.0
+        recompute_extra = 0.0
+        largest_full_layer = 0.0
+        for unit in units:
+            t = timed(unit)
+            unit_forward_comm = reduce_time(t.forward_reduce_bytes, t.forward_reduces)
+            forward += t.forward_s
+            backward += t.backward_s
+            forward_comm += unit_forward_comm
+            backward_comm += reduce_time(t.backward_reduce_bytes, t.backward_reduces)
+            full = unit_activation_bytes(unit, b, s.tp, s.sp, "none")
+            if unit.layer_type is not None and s.recompute == "full":
+                recompute_extra += t.forward_s + unit_forward_comm
+                largest_full_layer = max(largest_full_layer, full)
+            elif unit.layer_type is not None and s.recompute == "selective":
+                recompute_extra += t.forward_vector_s
+                largest_full_layer = max(largest_full_layer, full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective"))
+            policy = s.recompute if unit.layer_type is not None else "none"
+            activations += unit_activation_bytes(unit, b, s.tp, s.sp, policy)
+            on_device = unit.sharded_params / s.tp + (unit.params - unit.sharded_params)
+            rank_params[rank] += on_device
+            rank_largest_unit[rank] = max(rank_largest_unit[rank], on_device)
+        activations += largest_full_layer  # what recompute rebuilds for the layer being differentiated
+        zero3_forward = zero3_backward = 0.0
+        if s.zero >= 3 and s.dp > 1:
+            stage_weight_bytes = sum(u.sharded_params / s.tp + u.params - u.sharded_params for u in units) * per.weight
+            gather = collective_time_s("all_gather", stage_weight_bytes, dp_layout, cluster)
+            scatter = collective_time_s("reduce_scatter", stage_weight_bytes / per.weight * per.gradient,
+                                        dp_layout, cluster)
+            first = gather / max(len(units), 1)
+            zero3_forward = max(gather - forward, first)
+            zero3_backward = max(gather + scatter - backward, first)
+        f = forward + forward_comm + zero3_forward
+        bw = backward + backward_comm + recompute_extra + zero3_backward
+        stage_costs.append(StageCost(index, rank, tuple(u.name for u in units), f, bw, activations))
+        compute_parts.append((forward + backward, recompute_extra,
+                              forward_comm + backward_comm + zero3_forward + zero3_backward))
+
+    boundary_bytes = max((u[0].input_bytes for u in stages_units[1:] if u), default=0.0) * b / (s.tp if s.sp else 1)
+    p2p = collective_time_s("send_recv", boundary_bytes, pp_layout, cluster) if s.pp > 1 else 0.0
+    pipe = (simulate if exact else estimate)(
+        [c.forward_s for c in stage_costs], [c.backward_s for c in stage_costs], s.num_microbatches, s.schedule,
+        pp=s.pp, vp=s.vp, p2p_s=p2p, stage_weight=[c.activation_bytes for c in stage_costs],
+    )
+
+    # Data-parallel gradient sync after the last micro-batch, and the optimizer step.
+    rank_finish = []
+    dp_exposed = []
+    optimizer = []
+    for rank in range(s.pp):
+        grad_bytes = rank_params[rank] * per.gradient
+        exposed = 0.0
+        if s.dp > 1 and s.zero < 3:
+            reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce", grad_bytes, dp_layout, cluster)
+            window = sum(c.backward_s for c in stage_costs if c.rank == rank)
+            buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+            exposed = max(reduce - window, reduce / buckets)
+            if s.zero >= 1:  # updated weight shards are gathered after the step: nothing to hide it behind
+                exposed += collective_time_s("all_gather", rank_params[rank] * per.weight, dp_layout, cluster)
+        updated = rank_params[rank] / (s.dp if s.zero >= 1 else 1)
+        step = updated * OPTIMIZER_BYTES_PER_PARAM / (gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
+        dp_exposed.append(exposed)
+        optimizer.append(step)
+        rank_finish.append(pipe.rank_end_s[rank] + exposed + step)
+    step_time = max(rank_finish)
+    critical = rank_finish.index(step_time)
+
+    memory = tuple(
+        device_memory(
+            params_on_device=rank_params[rank], largest_unit_params=rank_largest_unit[rank],
+            precision=facts.precision, zero=s.zero, dp=s.dp, activation_bytes=pipe.peak_in_flight[rank],
+        )
+        for rank in range(s.pp)
+    )
+    capacity = usable_bytes(gpu.memory_bytes)
+    fits = all(m.total_bytes <= capacity for m in memory)
+
+    tokens = global_batch * facts.seq_len
+    model_flops = sum(op.flops for unit in facts.units for op in unit.ops) * global_batch  # no recompute
+    world = s.dp * s.tp * s.pp
+    tflops_per_gpu = model_flops / step_time / world / 1e12
+    critical_stages = [i for i, c in enumerate(stage_costs) if c.rank == critical]
+    m = s.num_microbatches
+    compute = m * sum(compute_parts[i][0] for i in critical_stages)
+    recompute = m * sum(compute_parts[i][1] for i in critical_stages)
+    tp_comm = m * sum(compute_parts[i][2] for i in critical_stages)
+    bubble = max(pipe.rank_end_s[critical] - pipe.rank_busy_s[critical], 0.0)
+    breakdown = {
+        "compute": compute,
+        "recompute": recompute,
+        "exposed_communication": tp_comm + dp_exposed[critical],
+        "bubble": bubble,
+        "optimizer": optimizer[critical],
+    }
+    return Evaluation(
+        strategy=s, global_batch=global_batch, seq_len=facts.seq_len, step_time_s=step_time,
+        tokens_per_s=tokens / step_time, tflops_per_gpu=tflops_per_gpu,
+        mfu=tflops_per_gpu * 1e12 / gpu.peak_flops_per_s(dtype), fits=fits, memory=memory,
+        breakdown=breakdown, stages=tuple(stage_costs), pipeline=pipe,
+        capacity_bytes=capacity,
+    )
+
+
+def partition(facts: ModelFacts, stages: int) -> list[list[Unit]]:
+    """Layers split evenly over stages (extra layers to the middle stages); the units before the
+    first layer join stage 0, those after a layer join that layer's stage."""
+    units = list(facts.units)
+    layer_positions = [i for i, u in enumerate(units) if u.layer_type is not None]
+    count = len(layer_positions)
+    base, extra = divmod(count, stages)
+    sizes = [base] * stages
+    middle = list(range(1, stages - 1)) or list(range(stages))
+    for k in range(extra):
+        sizes[middle[k % len(middle)]] += 1
+    stage_of_layer: dict[int, int] = {}
+    position = 0
+    for stage, size in enumerate(sizes):
+        for _ in range(size):
+            stage_of_layer[layer_positions[position]] = stage
+            position += 1
+    result: list[list[Unit]] = [[] for _ in range(stages)]
+    current = 0
+    for i, unit in enumerate(units):
+        if i in stage_of_layer:
+            current = stage_of_layer[i]
+        result[current].append(unit)
+    return result
+
+
+def unit_activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str) -> float:
+    """Bytes a unit keeps from forward to backward for one micro-batch on one tp rank."""
+    if recompute == "full":
+        return unit.input_bytes * batch / (tp if sp else 1)
+    total = 0.0
+    for op in unit.forward_ops:
+        if not op.saved_bytes:
+            continue
+        if recompute == "selective" and op.kind == "vector":
+            continue
+        total += op.saved_bytes * batch / (tp if (op.saved_sharded or sp) else 1)
+    if recompute == "selective":
+        total += unit.input_bytes * batch / (tp if sp else 1)
+    return total

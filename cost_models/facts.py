@@ -1,0 +1,283 @@
+"""Graph facts the cost models read: the op graph condensed into pipeline units.
+
+A unit is one repeated-layer instance, or a run of non-layer ops between layers (embedding before
+the first layer, final norm + head + loss after the last). Units are what pipeline stages are cut
+from. Each unit keeps its ops with per-sample work (the graph is traced at some batch B0; matmul,
+attention and elementwise work and activation bytes are linear in the batch, weight reads are not).
+
+Tensor parallelism is Megatron-style and derived from the graph, not from module names: every
+2-D parameter read by a matmul or an embedding is sharded over tp; sharding then propagates along
+data flow. An op with one sharded operand of a contraction yields a sharded result (column
+parallel); two sharded operands contract over the sharded dimension and yield partial sums (row
+parallel); partial sums flow through linear ops (add, scale, views) and are all-reduced where a
+non-linear op first needs the full value. So the all-reduces that a row-parallel linear, a
+vocab-parallel embedding, or the backward of a column-parallel linear need fall out of the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode
+
+_CONTRACTIONS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "convolution": (0, 1)}
+_LINEAR = {"add", "sub", "mul", "div", "neg", "sum", "mean", "clone", "_to_copy", "copy", "cat", "expand", "view"}
+_ATTENTION_MARKERS = ("scaled_dot_product", "flash_attention", "efficient_attention")
+
+
+@dataclass(frozen=True)
+class OpFacts:
+    """One op's work, per sample of the batch, and how tensor parallelism treats it."""
+
+    name: str
+    phase: str
+    kind: str  # matmul | attention | vector | view
+    flops: float
+    activation_bytes: float  # read + written, excluding weights
+    weight_bytes: float  # parameters read: independent of the batch
+    tp_sharded: bool  # its work divides over tp
+    reduce_bytes: float  # partial sums all-reduced over tp before this op runs
+    saved_bytes: float  # kept from forward for backward
+    saved_sharded: bool
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A pipeline-cuttable piece of the model."""
+
+    name: str  # layer instance path, or "pre" / "post" / "between.N"
+    layer_type: str | None
+    ops: tuple[OpFacts, ...]
+    params: int  # parameters owned (tied ones counted where first read)
+    sharded_params: int  # of which tp shards
+    input_bytes: float  # per sample: the activation entering the unit (what a pipeline send moves)
+
+    @cached_property
+    def forward_ops(self) -> tuple[OpFacts, ...]:
+        return tuple(op for op in self.ops if op.phase == "forward")
+
+    @cached_property
+    def backward_ops(self) -> tuple[OpFacts, ...]:
+        return tuple(op for op in self.ops if op.phase == "backward")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model_name: str
+    precision: str
+    seq_len: int
+    units: tuple[Unit, ...]
+    num_params: int
+    heads: int | None = None
+    kv_heads: int | None = None
+    vocab: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def layer_units(self) -> list[int]:
+        return [i for i, unit in enumerate(self.units) if unit.layer_type is not None]
+
+    @property
+    def param_bytes_per_element(self) -> int:
+        return {"fp32": 4, "bf16": 2, "fp16": 2}[self.precision]
+
+
+def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None = None,
+                vocab: int | None = None) -> ModelFacts:
+    """Condense an op graph into units with tp-aware per-op facts."""
+    params = {p.name: p for p in graph.params}
+    param_bytes = {p.name: p.numel * DTYPE_BYTES.get(p.dtype, 4) for p in graph.params}
+    sharded = _sharded_params(graph, params)
+    status = _propagate(graph, sharded)
+    per_sample = 1.0 / max(graph.batch, 1)
+
+    unit_of = _assign_units(graph)
+    ops_by_unit: dict[str, list[OpFacts]] = {}
+    for node in graph.nodes:
+        ops_by_unit.setdefault(unit_of[node.name], []).append(
+            _op_facts(node, status, param_bytes, per_sample)
+        )
+    order = list(dict.fromkeys(unit_of[n.name] for n in graph.nodes if n.phase == "forward"))
+    order += [name for name in ops_by_unit if name not in order]
+    layer_type_of = {inst: lt.id for lt in graph.layer_types for inst in lt.instances}
+
+    owner: dict[str, str] = {}  # parameter → the unit that first reads it
+    for node in graph.nodes:
+        for name in node.params:
+            owner.setdefault(name, unit_of[node.name])
+    first_input = _unit_input_bytes(graph, unit_of, per_sample)
+    units = tuple(
+        Unit(
+            name=name,
+            layer_type=layer_type_of.get(name),
+            ops=tuple(ops_by_unit[name]),
+            params=sum(params[p].numel for p, u in owner.items() if u == name),
+            sharded_params=sum(params[p].numel for p, u in owner.items() if u == name and p in sharded),
+            input_bytes=first_input.get(name, 0.0),
+        )
+        for name in order
+    )
+    return ModelFacts(
+        model_name=graph.model_name, precision=graph.precision, seq_len=graph.seq_len or 1, units=units,
+        num_params=graph.num_params, heads=heads, kv_heads=kv_heads, vocab=vocab,
+    )
+
+
+def _packet(node: OpNode) -> str:
+    parts = node.op.split(".")
+    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else node.op
+
+
+def _is_attention(node: OpNode) -> bool:
+    return any(marker in node.op for marker in _ATTENTION_MARKERS)
+
+
+def _sharded_params(graph: OpGraph, params: dict) -> set[str]:
+    sharded: set[str] = set()
+    for node in graph.nodes:
+        packet = _packet(node)
+        if packet in _CONTRACTIONS or packet == "embedding":
+            sharded.update(p for p in node.params if len(params[p].shape) == 2)
+    return sharded
+
+
+def _propagate(graph: OpGraph, sharded: set[str]) -> dict[str, tuple[str, float]]:
+    """Per node: (status of its output: R, S or P; bytes per batch all-reduced before it runs)."""
+    status: dict[str, str] = {}
+    for p in graph.params:
+        status[f"param:{p.name}"] = "S" if p.name in sharded else "R"
+    result: dict[str, tuple[str, float]] = {}
+    reduced: set[str] = set()
+
+    def get(name: str) -> str:
+        return status.get(name, "R")
+
+    for node in graph.nodes:
+        names = node.input_names if node.input_names else node.inputs
+        arg_status = [get(n) for n in names]
+        reduce_bytes = 0.0
+
+        def reduce_inputs(which: list[int]) -> None:
+            nonlocal reduce_bytes
+            for i in which:
+                if i < len(names) and arg_status[i] == "P":
+                    if names[i] not in reduced and i < len(node.input_meta):
+                        reduce_bytes += node.input_meta[i].bytes
+                        reduced.add(names[i])
+                    arg_status[i] = "R"
+
+        packet = _packet(node)
+        if node.is_view:
+            out = arg_status[0] if arg_status else "R"
+        elif packet in _CONTRACTIONS and len(arg_status) >= max(_CONTRACTIONS[packet]) + 1:
+            a, b = _CONTRACTIONS[packet]
+            pair = (arg_status[a], arg_status[b])
+            if pair.count("S") == 2:
+                # mm: both operands sharded along the contracted dimension (row parallel) → partial
+                # sums. bmm: attention's batched products are sharded along heads, the batch
+                # dimension, so the result stays sharded.
+                out = "S" if packet in ("bmm", "baddbmm") else "P"
+            elif "S" in pair:
+                reduce_inputs([a, b])
+                out = "S"
+            elif "P" in pair:
+                out = "P" if pair.count("P") == 1 else (reduce_inputs([a, b]) or "R")
+            else:
+                out = "R"
+        elif packet == "embedding":
+            out = "P" if arg_status and arg_status[0] == "S" else "R"
+        elif packet == "embedding_dense_backward":
+            out = "S" if sharded else "R"
+        elif _is_attention(node):
+            reduce_inputs(list(range(len(arg_status))))
+            out = "S" if "S" in arg_status else "R"
+        elif packet in _LINEAR and "P" in arg_status:
+            if packet in ("add", "sub") and any(s == "R" for s in arg_status):
+                reduce_inputs(list(range(len(arg_status))))
+                out = "S" if "S" in arg_status else "R"
+            elif packet in ("mul", "div") and arg_status.count("P") > 1:
+                reduce_inputs(list(range(len(arg_status))))
+                out = "S" if "S" in arg_status else "R"
+            else:
+                out = "P"
+        else:
+            reduce_inputs(list(range(len(arg_status))))
+            out = "S" if "S" in arg_status else "R"
+        status[node.name] = out
+        result[node.name] = (out, reduce_bytes)
+    return result
+
+
+def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sample: float) -> OpFacts:
+    out, reduce_bytes = status[node.name]
+    weight = float(sum(param_bytes.get(p, 0) for p in node.params))
+    moved = max(node.bytes_read + node.bytes_written - weight, 0.0)
+    if node.is_view:
+        kind = "view"
+    elif _is_attention(node):
+        kind = "attention"
+    elif node.flops:
+        kind = "matmul"
+    else:
+        kind = "vector"
+    sharded = out in ("S", "P")
+    return OpFacts(
+        name=node.name, phase=node.phase, kind=kind, flops=node.flops * per_sample,
+        activation_bytes=moved * per_sample, weight_bytes=weight, tp_sharded=sharded,
+        reduce_bytes=reduce_bytes * per_sample, saved_bytes=node.saved_bytes * per_sample,
+        saved_sharded=sharded,
+    )
+
+
+def _assign_units(graph: OpGraph) -> dict[str, str]:
+    """Layer ops go to their instance; other forward ops to the run they sit in; backward ops
+    follow the forward unit of their module (the loss seed and other orphans: the last unit)."""
+    unit_of: dict[str, str] = {}
+    module_unit: dict[str, str] = {}
+    runs = 0
+    current = "pre"
+    seen_layer = False
+    for node in graph.nodes:
+        if node.phase != "forward":
+            continue
+        if node.layer is not None:
+            unit_of[node.name] = node.layer
+            seen_layer = True
+            current = None  # the next non-layer op starts a new run
+            continue
+        if current is None:
+            runs += 1
+            current = f"between.{runs}"
+        unit_of[node.name] = current if seen_layer or current == "pre" else "pre"
+        module_unit.setdefault(node.module_path, unit_of[node.name])
+    last_run = f"between.{runs}" if runs else "pre"
+    renamed = {last_run: "post"} if runs else {}
+    for node in graph.nodes:
+        if node.phase == "forward":
+            continue
+        if node.layer is not None:
+            unit_of[node.name] = node.layer
+            continue
+        path = node.module_path
+        while path and path not in module_unit:
+            path = path.rpartition(".")[0]
+        unit_of[node.name] = module_unit.get(path, last_run) if path else last_run
+    return {name: renamed.get(unit, unit) for name, unit in unit_of.items()}
+
+
+def _unit_input_bytes(graph: OpGraph, unit_of: dict[str, str], per_sample: float) -> dict[str, float]:
+    """Bytes of forward activations that enter each unit from an earlier unit."""
+    producer_unit = {n.name: unit_of[n.name] for n in graph.nodes}
+    sizes: dict[str, float] = {}
+    output_bytes = {n.name: sum(m.bytes for m in n.output_meta) for n in graph.nodes}
+    for node in graph.nodes:
+        if node.phase != "forward":
+            continue
+        unit = unit_of[node.name]
+        for source in node.inputs:
+            source_unit = producer_unit.get(source)
+            if source_unit is not None and source_unit != unit:
+                sizes.setdefault(unit, 0.0)
+                sizes[unit] = max(sizes[unit], output_bytes[source] * per_sample)
+    return sizes

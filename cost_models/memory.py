@@ -1,0 +1,89 @@
+"""Peak memory of one device: model states by ZeRO stage, activations by recompute policy and
+in-flight micro-batches, communication buffers, and an allocator margin.
+
+Model states per parameter (Rajbhandari et al., "ZeRO", SC'20, §3.1 and §5): mixed-precision
+Adam holds a 2-byte weight, a 2-byte gradient and 12 bytes of fp32 master weight and moments;
+fp32 training holds 4 + 4 + 8. ZeRO-1 shards the optimizer states over dp, ZeRO-2 also the
+gradients, ZeRO-3 also the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# PyTorch DDP's default gradient bucket (bucket_cap_mb=25); two are in flight while overlapping.
+DDP_BUCKET_BYTES = 25 * 2**20
+# Nominal allocator fragmentation margin and CUDA context + NCCL reserve, until GPU validation
+# (issue #4, item 7) measures them: a plan must leave this much of the device free.
+FRAGMENTATION_MARGIN = 0.05
+RESERVED_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weight: int
+    gradient: int
+    optimizer: int  # fp32 master (mixed precision) + two Adam moments
+
+
+def state_bytes_per_param(precision: str) -> StateBytes:
+    if precision == "fp32":
+        return StateBytes(weight=4, gradient=4, optimizer=8)
+    return StateBytes(weight=2, gradient=2, optimizer=12)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    parameters: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+    buffers: float
+    margin: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.buffers + self.margin
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "parameters": self.parameters, "gradients": self.gradients, "optimizer_states": self.optimizer_states,
+            "activations": self.activations, "buffers": self.buffers, "margin": self.margin,
+        }
+
+
+def model_state_bytes(params_on_device: float, precision: str, zero: int, dp: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) held by one device for its share of parameters."""
+    per = state_bytes_per_param(precision)
+    weights = params_on_device * per.weight / (dp if zero >= 3 else 1)
+    gradients = params_on_device * per.gradient / (dp if zero >= 2 else 1)
+    optimizer = params_on_device * per.optimizer / (dp if zero >= 1 else 1)
+    return weights, gradients, optimizer
+
+
+def device_memory(
+    *,
+    params_on_device: float,
+    largest_unit_params: float,
+    precision: str,
+    zero: int,
+    dp: int,
+    activation_bytes: float,
+) -> MemoryBreakdown:
+    weights, gradients, optimizer = model_state_bytes(params_on_device, precision, zero, dp)
+    per = state_bytes_per_param(precision)
+    if zero >= 3:  # the gathered layer in use and the next one being prefetched
+        buffers = 2 * largest_unit_params * per.weight
+    elif dp > 1:
+        buffers = 2 * DDP_BUCKET_BYTES
+    else:
+        buffers = 0.0
+    subtotal = weights + gradients + optimizer + activation_bytes + buffers
+    return MemoryBreakdown(
+        parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
+        buffers=buffers, margin=FRAGMENTATION_MARGIN * subtotal,
+    )
+
+
+def usable_bytes(memory_bytes: float) -> float:
+    return memory_bytes - RESERVED_BYTES

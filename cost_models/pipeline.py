@@ -1,0 +1,182 @@
+"""Pipeline schedules, simulated: step time with bubbles, per-rank busy time, the timeline, and
+the peak number of micro-batch activations each rank holds.
+
+A schedule is the order in which each rank runs forward (F) and backward (B) passes of its
+(virtual) stages; the simulator starts each pass when its rank is free and its input has arrived
+(F of the previous stage, or B of the next, plus the point-to-point transfer time). The orders
+follow GPipe (all forwards, then all backwards), 1F1B (Narayanan et al., PipeDream-Flush, 2021)
+and interleaved 1F1B with v virtual stages per rank (Narayanan et al., SC'21, §2.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Pass:
+    rank: int
+    kind: str  # "F" or "B"
+    stage: int  # virtual stage index: rank + chunk * pp
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    step_time_s: float
+    rank_busy_s: tuple[float, ...]
+    rank_end_s: tuple[float, ...]
+    peak_in_flight: tuple[float, ...]  # per rank: peak Σ over held micro-batches of their stage weight
+    timeline: tuple[Pass, ...]
+
+    @property
+    def bubble_s(self) -> float:
+        return self.step_time_s - max(self.rank_busy_s)
+
+
+def rank_order(schedule: str, rank: int, pp: int, num_microbatches: int, vp: int = 1) -> list[tuple[str, int, int]]:
+    """The (kind, chunk, microbatch) passes rank `rank` runs, in order."""
+    m = num_microbatches
+    if schedule == "gpipe":
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    if schedule == "1f1b":
+        warmup = min(pp - rank - 1, m)
+        order = [("F", 0, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("F", 0, warmup + i), ("B", 0, i)]
+        return order + [("B", 0, i) for i in range(m - warmup, m)]
+    if schedule == "interleaved":
+        total = m * vp
+
+        def unit(k: int, backward: bool) -> tuple[int, int]:
+            group, within = divmod(k, pp * vp)
+            chunk = within // pp
+            return (vp - 1 - chunk if backward else chunk), group * pp + within % pp
+
+        warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
+        order = [("F", *unit(k, False)) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [("F", *unit(warmup + k, False)), ("B", *unit(k, True))]
+        return order + [("B", *unit(k, True)) for k in range(total - warmup, total)]
+    raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+
+
+def simulate(
+    forward_s: list[float],
+    backward_s: list[float],
+    num_microbatches: int,
+    schedule: str,
+    *,
+    pp: int,
+    vp: int = 1,
+    p2p_s: float = 0.0,
+    stage_weight: list[float] | None = None,
+) -> PipelineResult:
+    """`forward_s[s]`, `backward_s[s]`: one micro-batch's pass on virtual stage s (len pp·vp).
+
+    `stage_weight[s]` is what one held micro-batch costs on stage s (e.g. activation bytes); the
+    result's peak_in_flight is the peak of their sum per rank.
+    """
+    stages = pp * vp
+    assert len(forward_s) == len(backward_s) == stages
+    weights = stage_weight or [1.0] * stages
+    orders = [
+        [(kind, chunk * pp + rank, mb) for kind, chunk, mb in rank_order(schedule, rank, pp, num_microbatches, vp)]
+        for rank in range(pp)
+    ]
+    done: dict[tuple[str, int, int], float] = {}
+    position = [0] * pp
+    free = [0.0] * pp
+    busy = [0.0] * pp
+    held = [0.0] * pp
+    peak = [0.0] * pp
+    timeline: list[Pass] = []
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        progressed = False
+        for rank in range(pp):
+            while position[rank] < len(orders[rank]):
+                kind, stage, mb = orders[rank][position[rank]]
+                ready = _ready_time(kind, stage, mb, stages, pp, done, p2p_s)
+                if ready is None:
+                    break
+                start = max(free[rank], ready)
+                duration = forward_s[stage] if kind == "F" else backward_s[stage]
+                end = start + duration
+                done[(kind, stage, mb)] = end
+                free[rank] = end
+                busy[rank] += duration
+                held[rank] += weights[stage] if kind == "F" else -weights[stage]
+                peak[rank] = max(peak[rank], held[rank])
+                timeline.append(Pass(rank, kind, stage, mb, start, end))
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, vp={vp}, m={num_microbatches})")
+    return PipelineResult(
+        step_time_s=max(free), rank_busy_s=tuple(busy), rank_end_s=tuple(free),
+        peak_in_flight=tuple(peak), timeline=tuple(timeline),
+    )
+
+
+def _ready_time(kind: str, stage: int, mb: int, stages: int, pp: int, done: dict, p2p_s: float) -> float | None:
+    """When a pass's input is available, or None if its producer has not run yet."""
+    if kind == "F":
+        if stage == 0:
+            return 0.0
+        previous = done.get(("F", stage - 1, mb))
+        return None if previous is None else previous + (p2p_s if pp > 1 else 0.0)
+    own_forward = done.get(("F", stage, mb))
+    if own_forward is None:
+        return None
+    if stage == stages - 1:
+        return own_forward
+    following = done.get(("B", stage + 1, mb))
+    return None if following is None else max(own_forward, following + (p2p_s if pp > 1 else 0.0))
+
+
+def estimate(
+    forward_s: list[float],
+    backward_s: list[float],
+    num_microbatches: int,
+    schedule: str,
+    *,
+    pp: int,
+    vp: int = 1,
+    p2p_s: float = 0.0,
+    stage_weight: list[float] | None = None,
+) -> PipelineResult:
+    """Closed-form stand-in for `simulate`, exact for uniform stages and no transfer time.
+
+    The slowest rank sets the steady-state pace; the fill and drain add (pp-1) passes of an
+    average rank, divided by vp when interleaved (Narayanan et al., SC'21, §2.2). Used to rank many
+    candidates quickly; the chosen ones are simulated.
+    """
+    m = num_microbatches
+    weights = stage_weight or [1.0] * (pp * vp)
+    per_rank = [sum(forward_s[r + c * pp] + backward_s[r + c * pp] for c in range(vp)) for r in range(pp)]
+    slowest = max(per_rank)
+    fill = (pp - 1) * (sum(per_rank) / pp) / (vp if schedule == "interleaved" else 1)
+    transfers = 2 * (pp - 1) * p2p_s * (vp if schedule == "interleaved" else 1)
+    step = m * slowest + fill + transfers
+    peaks = []
+    for rank in range(pp):
+        chunk_weights = [weights[rank + c * pp] for c in range(vp)]
+        if schedule == "gpipe":
+            held = m * sum(chunk_weights)
+        elif schedule == "1f1b":
+            held = min(pp - rank, m) * chunk_weights[0]
+        else:  # interleaved: warm-up passes plus the one in flight, spread over the chunks
+            passes = min((pp - rank - 1) * 2 + (vp - 1) * pp + 1, m * vp)
+            held = passes * sum(chunk_weights) / vp
+        peaks.append(held)
+    busy = tuple(m * w for w in per_rank)
+    return PipelineResult(
+        step_time_s=step, rank_busy_s=busy, rank_end_s=tuple(step for _ in range(pp)),
+        peak_in_flight=tuple(peaks), timeline=(),
+    )

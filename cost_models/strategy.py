@@ -1,0 +1,81 @@
+"""Parallel strategies as users write them (`tp=8,pp=12,...`), and the rules that make one valid."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.errors import AutoparError
+from autopar.plan import Strategy
+
+STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "microbatch", "schedule", "vp")
+_RESERVED = {"cp": "context parallel (cp) is reserved for a later release: leave it out"}
+_CHOICES = {"recompute": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved")}
+
+
+def parse_strategy(text: str | None) -> dict[str, Any]:
+    """`"tp=8,pp=12,recompute=full"` → the fixed keys; keys left out are for the planner to choose."""
+    fixed: dict[str, Any] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if key in _RESERVED:
+            raise AutoparError(_RESERVED[key])
+        if not sep or key not in STRATEGY_KEYS:
+            raise AutoparError(
+                f"bad --strategy item {item!r}: use key=value with keys {', '.join(STRATEGY_KEYS)}, e.g. tp=8,pp=4"
+            )
+        if key in fixed:
+            raise AutoparError(f"--strategy sets {key} twice")
+        fixed[key] = _value(key, value)
+    return fixed
+
+
+def _value(key: str, value: str) -> Any:
+    if key == "sp":
+        if value.lower() not in ("true", "false", "1", "0", "on", "off"):
+            raise AutoparError(f"--strategy sp={value}: use sp=true or sp=false")
+        return value.lower() in ("true", "1", "on")
+    if key in _CHOICES:
+        if value not in _CHOICES[key]:
+            raise AutoparError(f"--strategy {key}={value}: use one of {', '.join(_CHOICES[key])}")
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        raise AutoparError(f"--strategy {key}={value}: {key} must be a whole number") from None
+    low = 0 if key == "zero" else 1
+    if number < low or (key == "zero" and number > 3):
+        raise AutoparError(f"--strategy {key}={value}: {key} must be {'0 to 3' if key == 'zero' else 'at least 1'}")
+    return number
+
+
+def check_strategy(
+    strategy: Strategy, *, world_size: int, global_batch: int, layers: int,
+    heads: int | None = None, kv_heads: int | None = None,
+) -> None:
+    """Raise AutoparError naming the first rule the strategy breaks."""
+    s = strategy
+    if s.dp * s.tp * s.pp != world_size:
+        raise AutoparError(f"dp×tp×pp = {s.dp}×{s.tp}×{s.pp} = {s.dp * s.tp * s.pp} but the cluster has "
+                           f"{world_size} GPUs: the product must equal the world size")
+    if heads is not None and heads % s.tp:
+        raise AutoparError(f"tp={s.tp} does not divide the {heads} attention heads: choose tp dividing {heads}")
+    if kv_heads is not None and kv_heads % s.tp and s.tp % kv_heads:
+        raise AutoparError(f"tp={s.tp} and the {kv_heads} key/value heads must divide one another")
+    if s.pp * s.vp > layers:
+        raise AutoparError(f"pp×vp = {s.pp * s.vp} stages for {layers} layers: a stage needs at least one layer")
+    if s.schedule == "interleaved" and layers % (s.pp * s.vp):
+        raise AutoparError(f"interleaved needs layers ({layers}) divisible by pp×vp ({s.pp * s.vp})")
+    if global_batch % (s.dp * s.microbatch):
+        raise AutoparError(f"global batch {global_batch} is not divisible by dp×microbatch = {s.dp}×{s.microbatch}: "
+                           f"choose a batch or micro-batch that divides evenly")
+    if s.num_microbatches * s.dp * s.microbatch != global_batch:
+        raise AutoparError(f"num_microbatches {s.num_microbatches} × dp {s.dp} × microbatch {s.microbatch} "
+                           f"≠ global batch {global_batch}")
+    if s.schedule in ("1f1b", "interleaved") and s.pp > 1 and s.num_microbatches < s.pp:
+        raise AutoparError(f"{s.schedule} needs at least pp={s.pp} micro-batches, got {s.num_microbatches}: "
+                           f"raise the global batch or lower the micro-batch size")
+    if s.schedule == "interleaved" and s.num_microbatches % s.pp:
+        raise AutoparError(f"interleaved needs the micro-batch count ({s.num_microbatches}) divisible by pp={s.pp}")

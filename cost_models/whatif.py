@@ -1,0 +1,92 @@
+"""Complete a partial strategy: keys the user fixed stay, the cost model chooses the rest.
+
+Every completion of the free keys is enumerated, ranked with the closed-form pipeline estimate,
+and the best few are simulated exactly. (The full searcher, issue #5, replaces the enumeration of
+dp/tp/pp with the intra-op ILP inside an inter-op dynamic program.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Any, Iterator
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import AutoparError
+from autopar.plan import Strategy
+from cost_models.evaluate import Evaluation, evaluate
+from cost_models.facts import ModelFacts
+from cost_models.strategy import check_strategy
+
+MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
+VP_CHOICES = (2, 3, 4, 6, 8)
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    best: Evaluation | None  # fastest that fits, or None
+    ranked: list[Evaluation]  # exact evaluations, best first (fitting ones first)
+    candidates: int
+    rejected: dict[str, int]  # rule → how many completions broke it
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> Iterator[Strategy]:
+    def choices(key: str, options) -> list:
+        return [fixed[key]] if key in fixed else list(options)
+
+    for tp, pp in product(choices("tp", _divisors(world_size)), choices("pp", _divisors(world_size))):
+        if world_size % (tp * pp):
+            continue
+        dp = world_size // (tp * pp)
+        if "dp" in fixed and fixed["dp"] != dp:
+            continue
+        per_replica = global_batch // dp if global_batch % dp == 0 else 0
+        microbatches = [mb for mb in MICROBATCH_CHOICES if per_replica and per_replica % mb == 0]
+        for mb, zero, recompute, sp, schedule in product(
+            choices("microbatch", microbatches), choices("zero", (0, 1, 2, 3)),
+            choices("recompute", ("none", "selective", "full")),
+            choices("sp", (False, True) if tp > 1 else (False,)),
+            choices("schedule", ("1f1b", "interleaved", "gpipe") if pp > 1 else ("1f1b",)),
+        ):
+            if zero > 0 and dp == 1 and "zero" not in fixed:
+                continue  # nothing to shard over
+            vps = choices("vp", VP_CHOICES if schedule == "interleaved" else (1,))
+            for vp in vps:
+                try:
+                    yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
+                                   num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp)
+                except ValueError:
+                    continue
+
+
+def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int,
+            *, layers: int, top_k: int = 5) -> WhatIf:
+    rejected: dict[str, int] = {}
+    quick: list[Evaluation] = []
+    count = 0
+    for strategy in completions(fixed, cluster.world_size, global_batch):
+        count += 1
+        try:
+            check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
+                           heads=facts.heads, kv_heads=facts.kv_heads)
+        except AutoparError as error:
+            rule = str(error)
+            rejected[rule] = rejected.get(rule, 0) + 1
+            continue
+        quick.append(evaluate(facts, cluster, strategy, global_batch, exact=False))
+    if not quick:
+        if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
+            raise AutoparError(next(iter(rejected)))
+        raise AutoparError(
+            "no valid strategy completes --strategy for this model and cluster"
+            + (f": e.g. {next(iter(rejected))}" if rejected else "")
+        )
+    quick.sort(key=lambda e: (not e.fits, e.step_time_s))
+    ranked = [evaluate(facts, cluster, e.strategy, global_batch, exact=True) for e in quick[:top_k]]
+    ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
+    best = ranked[0] if ranked[0].fits else None
+    return WhatIf(best=best, ranked=ranked, candidates=count, rejected=rejected)

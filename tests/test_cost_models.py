@@ -1,0 +1,155 @@
+"""Cost models: closed forms, textbook memory, schedules, monotonicity, and strategy rules."""
+
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.errors import AutoparError
+from autopar.graph import trace
+from autopar.models import build_model
+from autopar.plan import Strategy
+from cost_models.communication import collective_time_s, flat_collective_time_s, group_layout
+from cost_models.evaluate import evaluate
+from cost_models.facts import model_facts
+from cost_models.memory import model_state_bytes
+from cost_models.pipeline import estimate, simulate
+from cost_models.strategy import check_strategy, parse_strategy
+
+CLUSTER = load_cluster("dgx-a100-80gb", gpus=16)
+LINK = CLUSTER.intra_node
+
+
+@pytest.fixture(scope="module")
+def facts():
+    spec = build_model("gpt", "layers=8,hidden=512,heads=8,vocab=4096,seq_len=256")
+    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="bf16")
+    return model_facts(graph, heads=8, vocab=4096)
+
+
+def strategy(**changes):
+    fields = dict(dp=2, tp=2, pp=4, microbatch=1, num_microbatches=8, schedule="1f1b")
+    fields.update(changes)
+    return Strategy(**fields)
+
+
+# --- communication ------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_all_reduce_closed_form(n):
+    size = 1e9
+    alpha, beta = LINK.latency_s, LINK.bandwidth_bytes_per_s
+    expected = 2 * (n - 1) / n * size / beta + 2 * (n - 1) * alpha
+    assert flat_collective_time_s("all_reduce", size, n, LINK) == pytest.approx(expected)
+    gather = flat_collective_time_s("all_gather", size, n, LINK)
+    scatter = flat_collective_time_s("reduce_scatter", size, n, LINK)
+    assert gather + scatter == pytest.approx(expected)  # all-reduce = reduce-scatter + all-gather
+
+
+def test_group_layout_maps_axes_to_nodes():
+    assert group_layout(8, 1, 8).nodes == 1  # tp=8 inside a node
+    dp = group_layout(16, 8, 8)  # dp over nodes, one rank each
+    assert (dp.ranks_per_node, dp.nodes) == (1, 16)
+    mixed = group_layout(8, 2, 8)  # stride 2: 4 per node over 2 nodes
+    assert (mixed.ranks_per_node, mixed.nodes) == (4, 2)
+
+
+def test_crossing_nodes_is_slower_than_staying_inside():
+    inside = collective_time_s("all_reduce", 1e9, group_layout(8, 1, 8), CLUSTER)
+    across = collective_time_s("all_reduce", 1e9, group_layout(8, 8, 8), CLUSTER)
+    assert across > 5 * inside
+
+
+# --- memory -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("zero, expected_per_param", [(0, 2 + 2 + 12), (1, 2 + 2 + 12 / 8), (2, 2 + (2 + 12) / 8),
+                                                      (3, (2 + 2 + 12) / 8)])
+def test_zero_memory_matches_the_paper(zero, expected_per_param):
+    # Rajbhandari et al. 2020, Figure 1: (2+2+K)Ψ, 2Ψ+2Ψ+KΨ/Nd, 2Ψ+(2+K)Ψ/Nd, (2+2+K)Ψ/Nd with K=12.
+    params = 7.5e9
+    assert sum(model_state_bytes(params, "bf16", zero, 8)) == pytest.approx(expected_per_param * params)
+
+
+def test_more_tp_never_increases_parameter_bytes_and_recompute_never_increases_activations(facts):
+    by_tp = [evaluate(facts, CLUSTER, strategy(dp=16 // (tp * 4), tp=tp, pp=4, num_microbatches=32 // (16 // (tp * 4))),
+                      32).memory[0].parameters for tp in (1, 2, 4)]
+    assert by_tp[0] > by_tp[1] > by_tp[2]
+    activations = [evaluate(facts, CLUSTER, strategy(recompute=r), 16).memory[0].activations
+                   for r in ("none", "selective", "full")]
+    assert activations[0] >= activations[1] and activations[0] >= activations[2]
+    assert activations[2] < activations[0] / 1.5
+
+
+# --- pipeline -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (8, 8), (4, 32)])
+def test_1f1b_bubble_fraction(pp, m):
+    result = simulate([1.0] * pp, [2.0] * pp, m, "1f1b", pp=pp)
+    bubble_fraction = (result.step_time_s - m * 3.0) / result.step_time_s
+    assert bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+    assert result.peak_in_flight == tuple(min(pp - r, m) for r in range(pp))
+
+
+@pytest.mark.parametrize("vp", [2, 4])
+def test_interleaving_shrinks_the_bubble_by_v(vp):
+    pp, m = 4, 8
+    plain = simulate([1.0] * pp, [2.0] * pp, m, "1f1b", pp=pp)
+    interleaved = simulate([1.0 / vp] * (pp * vp), [2.0 / vp] * (pp * vp), m, "interleaved", pp=pp, vp=vp)
+    assert interleaved.bubble_s == pytest.approx(plain.bubble_s / vp)
+
+
+@pytest.mark.parametrize("schedule, vp", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_closed_form_matches_simulation_on_uniform_stages(schedule, vp):
+    pp, m = 4, 16
+    args = ([0.5] * (pp * vp), [1.0] * (pp * vp), m, schedule)
+    exact, quick = simulate(*args, pp=pp, vp=vp), estimate(*args, pp=pp, vp=vp)
+    assert quick.step_time_s == pytest.approx(exact.step_time_s)
+    assert quick.peak_in_flight == pytest.approx(exact.peak_in_flight)
+
+
+def test_gpipe_holds_every_microbatch():
+    result = simulate([1.0] * 2, [1.0] * 2, 6, "gpipe", pp=2)
+    assert result.peak_in_flight == (6.0, 6.0)
+
+
+# --- the evaluator -------------------------------------------------------------------------------
+def test_evaluation_is_consistent(facts):
+    result = evaluate(facts, CLUSTER, strategy(recompute="full"), 16)
+    assert result.fits
+    assert result.tokens_per_s == pytest.approx(16 * 256 / result.step_time_s)
+    assert 0 < result.mfu < 1
+    parts = result.breakdown
+    assert parts["recompute"] > 0 and parts["bubble"] > 0
+    assert sum(parts.values()) == pytest.approx(result.step_time_s, rel=0.05)
+
+
+def test_tensor_parallel_all_reduces_per_layer(facts):
+    from cost_models.compute import unit_time
+
+    layer = facts.units[facts.layer_units[0]]
+    timing = unit_time(layer, CLUSTER.gpu, "bf16", batch=1, tp=2, sp=False)
+    # Megatron-LM: two all-reduces of the (b, s, h) activation in forward, two in backward.
+    assert (timing.forward_reduces, timing.backward_reduces) == (2, 2)
+    assert timing.forward_reduce_bytes == pytest.approx(2 * 256 * 512 * 2)
+
+
+# --- strategy rules -----------------------------------------------------------------------------
+def test_parse_strategy():
+    assert parse_strategy("tp=8,pp=12,dp=16,microbatch=1,zero=1,recompute=full,schedule=1f1b,vp=1,sp=true") == {
+        "tp": 8, "pp": 12, "dp": 16, "microbatch": 1, "zero": 1, "recompute": "full", "schedule": "1f1b", "vp": 1,
+        "sp": True,
+    }
+    for bad, words in [("tp", "key=value"), ("foo=1", "key=value"), ("zero=5", "0 to 3"), ("tp=x", "whole number"),
+                       ("cp=2", "reserved"), ("recompute=some", "none, selective, full"), ("tp=2,tp=4", "twice")]:
+        with pytest.raises(AutoparError, match=words):
+            parse_strategy(bad)
+
+
+@pytest.mark.parametrize(
+    "changes, batch, words",
+    [
+        (dict(tp=3, dp=1, pp=1), 8, "dp×tp×pp"),
+        (dict(dp=1, tp=16, pp=1, num_microbatches=8), 8, "does not divide the 8 attention heads"),
+        (dict(dp=1, tp=1, pp=16, num_microbatches=16), 16, "stages for 8 layers"),
+        (dict(num_microbatches=3), 6, "at least pp=4 micro-batches"),
+        (dict(microbatch=3, num_microbatches=2), 16, "not divisible by dp×microbatch"),
+    ],
+)
+def test_invalid_strategies_name_the_rule(changes, batch, words):
+    with pytest.raises(AutoparError, match=words):
+        check_strategy(strategy(**changes), world_size=16, global_batch=batch, layers=8, heads=8)
