@@ -40,6 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--graph", metavar="PATH", help="write the whole op graph as JSON to PATH")
     inspect.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     inspect.set_defaults(handler=_inspect)
+
+    plan = commands.add_parser("plan", help="predict step time, throughput and memory of a (partial) strategy")
+    _add_model_arguments(plan)
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    plan.add_argument("--cluster", required=True, help="preset name or YAML/JSON cluster file")
+    plan.add_argument("--gpus", type=int, help="size the cluster preset to this many GPUs")
+    plan.add_argument("--strategy", default="", help="fixed keys, e.g. tp=8,pp=12,dp=16,microbatch=1,zero=1,"
+                      "recompute=full,schedule=1f1b,vp=1,sp=true; keys left out are chosen by the cost model")
+    plan.add_argument("--json", metavar="PATH", help="write the prediction as JSON to PATH, or - for stdout")
+    plan.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+    plan.set_defaults(handler=_plan)
     return parser
 
 
@@ -87,6 +98,45 @@ def _inspect(args: argparse.Namespace) -> int:
     print(render(summary))
     if args.check_plan:
         print(f"\nplan {args.check_plan} matches this model (fingerprint {graph.model_fingerprint})")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from autopar.cluster import load_cluster
+    from autopar.graph import trace
+    from autopar.io import atomic_write_text
+    from autopar.models import build_model
+    from autopar.whatif_report import render, whatif_summary
+    from cost_models.facts import model_facts
+    from cost_models.strategy import parse_strategy
+    from cost_models.whatif import what_if
+
+    fixed = parse_strategy(args.strategy)
+    cluster = load_cluster(args.cluster, gpus=args.gpus)
+    if args.global_batch <= 0:
+        raise AutoparError(f"--global-batch must be positive, got {args.global_batch}")
+    spec = build_model(args.model, args.model_config)
+    inputs = spec.example_inputs(1, args.seq_len)
+    seq_len = args.seq_len or spec.default_seq_len
+    print(f"tracing {spec.name} ({args.precision}, seq {seq_len}) ...", file=sys.stderr, flush=True)
+    graph = trace(spec.module, inputs, loss_fn=spec.loss_fn, precision=args.precision, name=spec.name, seq_len=seq_len)
+    config = spec.config
+    facts = model_facts(graph, heads=config.heads if config else None,
+                        kv_heads=config.num_kv_heads if config else None, vocab=config.vocab if config else None)
+    layers = len(facts.layer_units) or 1
+    result = what_if(facts, cluster, fixed, args.global_batch, layers=layers)
+    summary = whatif_summary(result, model=spec.name, cluster=cluster, global_batch=args.global_batch,
+                             seq_len=seq_len, fixed=fixed)
+    if args.json == "-":
+        print(json.dumps(summary, indent=2))
+    else:
+        if args.json:
+            atomic_write_text(args.json, json.dumps(summary, indent=2))
+        print(render(summary))
+    if not summary["fits"]:
+        print(f"autopar: no strategy of this form fits in {summary['capacity_bytes'] / 2**30:.1f} GiB per GPU: "
+              f"add GPUs, recompute=full, a higher zero stage, or a smaller micro-batch", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -65,6 +65,7 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
 
 def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int,
             *, layers: int, top_k: int = 5) -> WhatIf:
+    _check_fixed_degrees(fixed, cluster.world_size)
     rejected: dict[str, int] = {}
     quick: list[Evaluation] = []
     count = 0
@@ -90,3 +91,17 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
     best = ranked[0] if ranked[0].fits else None
     return WhatIf(best=best, ranked=ranked, candidates=count, rejected=rejected)
+
+
+def _check_fixed_degrees(fixed: dict[str, Any], world_size: int) -> None:
+    degrees = {key: fixed[key] for key in ("dp", "tp", "pp") if key in fixed}
+    product_ = 1
+    for value in degrees.values():
+        product_ *= value
+    text = "×".join(f"{k}={v}" for k, v in degrees.items())
+    if len(degrees) == 3 and product_ != world_size:
+        raise AutoparError(f"dp×tp×pp = {text} = {product_} but the cluster has {world_size} GPUs: "
+                           f"the product must equal the world size")
+    if degrees and world_size % product_:
+        raise AutoparError(f"{text} = {product_} does not divide the world size {world_size}: "
+                           f"choose degrees whose product divides it")

@@ -185,3 +185,48 @@ def test_plan_for_another_model_or_version_is_one_line(capsys, tmp_path):
     code, out, _ = run(capsys, "inspect", *SMALL, "--json", "-")
     old = _plan_for(json.loads(out)["model_fingerprint"], tmp_path / "old.json", schema_version=0)
     _assert_one_line_error(*run(capsys, "inspect", *SMALL, "--check-plan", str(old)), "schema version 0")
+
+
+PLAN_SMALL = ["plan", *SMALL, "--seq-len", "32", "--global-batch", "16", "--cluster", "dgx-h100", "--gpus", "8"]
+
+
+def test_plan_json_contract(capsys):
+    code, out, _ = run(capsys, *PLAN_SMALL, "--strategy", "tp=2,pp=2,dp=2,microbatch=1,zero=1,recompute=full,"
+                       "schedule=1f1b,vp=1,sp=true", "--json", "-")
+    assert code == 0
+    result = json.loads(out)
+    assert result["strategy"] == {"dp": 2, "tp": 2, "pp": 2, "sp": True, "zero": 1, "recompute": "full",
+                                  "microbatch": 1, "num_microbatches": 8, "schedule": "1f1b", "vp": 1}
+    assert result["fits"] is True
+    predicted = result["predicted"]
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes"):
+        assert predicted[key] > 0
+    assert set(predicted["breakdown"]) == {"compute", "exposed_communication", "bubble", "recompute", "optimizer"}
+    assert predicted["tokens_per_s"] == pytest.approx(16 * 32 / predicted["step_time_s"])
+
+
+def test_plan_fills_in_free_keys_and_prints_a_report(capsys):
+    code, out, _ = run(capsys, *PLAN_SMALL, "--strategy", "tp=2")
+    assert code == 0
+    assert "tp=2" in out and "chosen by the cost model" in out and "runners-up" in out
+
+
+def test_plan_that_cannot_fit_exits_3(capsys):
+    code, out, err = run(capsys, "plan", "--model", "gpt3-175b", "--seq-len", "256", "--global-batch", "8",
+                         "--cluster", "dgx-h100", "--gpus", "8", "--strategy", "dp=8,tp=1,pp=1,zero=0")
+    assert code == 3
+    assert "DOES NOT FIT" in out and "no strategy of this form fits" in err
+
+
+@pytest.mark.parametrize(
+    "strategy, words",
+    [
+        ("tp=3", ["does not divide the world size 8"]),
+        ("dp=2,tp=2,pp=1", ["dp×tp×pp", "world size"]),
+        ("cp=2", ["reserved"]),
+        ("tp=8,pp=1,dp=1", ["does not divide the 4 attention heads"]),
+        ("pp=8,dp=1,tp=1", ["stages for 2 layers"]),
+    ],
+)
+def test_plan_rejects_invalid_strategies_with_the_rule(capsys, strategy, words):
+    _assert_one_line_error(*run(capsys, *PLAN_SMALL, "--strategy", strategy), *words)

@@ -1,0 +1,99 @@
+"""`autopar plan` (what-if form): cost a full or partial strategy and report it.
+
+One report model (`whatif_summary`, plain data: the `--json` output) and its terminal renderer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cost_models.evaluate import Evaluation
+from cost_models.whatif import WhatIf
+
+GiB = 2**30
+
+
+def strategy_dict(evaluation: Evaluation) -> dict[str, Any]:
+    s = evaluation.strategy
+    return {"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "zero": s.zero, "recompute": s.recompute,
+            "microbatch": s.microbatch, "num_microbatches": s.num_microbatches, "schedule": s.schedule, "vp": s.vp}
+
+
+def evaluation_summary(evaluation: Evaluation) -> dict[str, Any]:
+    return {
+        "strategy": strategy_dict(evaluation),
+        "fits": evaluation.fits,
+        "predicted": {
+            "step_time_s": evaluation.step_time_s,
+            "tokens_per_s": evaluation.tokens_per_s,
+            "tflops_per_gpu": evaluation.tflops_per_gpu,
+            "mfu": evaluation.mfu,
+            "peak_memory_bytes": evaluation.peak_memory_bytes,
+            "peak_memory_bytes_per_stage": [m.total_bytes for m in evaluation.memory],
+            "memory_breakdown_bytes": [m.as_dict() for m in evaluation.memory],
+            "breakdown": evaluation.breakdown,
+        },
+        "stages": [
+            {"index": stage.index, "rank": stage.rank, "units": list(stage.units),
+             "forward_s": stage.forward_s, "backward_s": stage.backward_s}
+            for stage in evaluation.stages
+        ],
+    }
+
+
+def whatif_summary(result: WhatIf, *, model: str, cluster: Any, global_batch: int, seq_len: int,
+                   fixed: dict[str, Any]) -> dict[str, Any]:
+    chosen = result.best or result.ranked[0]
+    summary = evaluation_summary(chosen)
+    summary.update({
+        "model": model,
+        "cluster": {"name": cluster.name, "gpu": cluster.gpu.name, "world_size": cluster.world_size,
+                    "gpus_per_node": cluster.gpus_per_node, "num_nodes": cluster.num_nodes},
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "fixed": fixed,
+        "capacity_bytes": chosen.capacity_bytes,
+        "candidates": result.candidates,
+        "alternatives": [evaluation_summary(e) for e in result.ranked if e is not chosen],
+    })
+    return summary
+
+
+def render(summary: dict[str, Any]) -> str:
+    s = summary["strategy"]
+    p = summary["predicted"]
+    cluster = summary["cluster"]
+    lines = [
+        f"model {summary['model']}, global batch {summary['global_batch']} × seq {summary['seq_len']}",
+        f"cluster {cluster['name']}: {cluster['num_nodes']} node(s) × {cluster['gpus_per_node']} {cluster['gpu']} "
+        f"= {cluster['world_size']} GPUs",
+        "",
+        "strategy  " + "  ".join(f"{k}={v}" for k, v in s.items())
+        + ("" if not summary["fixed"] else f"   (fixed: {', '.join(summary['fixed'])}; the rest chosen by the cost model)"),
+        "",
+        f"step time        {p['step_time_s']:.3f} s",
+        f"throughput       {p['tokens_per_s']:,.0f} tokens/s",
+        f"per GPU          {p['tflops_per_gpu']:.1f} TFLOP/s model FLOPs (MFU {p['mfu']:.1%})",
+        f"peak memory      {p['peak_memory_bytes'] / GiB:.1f} GiB of {summary['capacity_bytes'] / GiB:.1f} GiB usable"
+        + ("" if summary["fits"] else "   ** DOES NOT FIT **"),
+        "",
+        "time breakdown (critical pipeline rank)",
+    ]
+    total = sum(p["breakdown"].values()) or 1.0
+    for key, seconds in p["breakdown"].items():
+        lines.append(f"  {key:<22} {seconds:8.3f} s  {seconds / total:6.1%}")
+    lines += ["", "per pipeline rank: memory (GiB)  params / grads / optimizer / activations / buffers"]
+    for rank, parts in enumerate(p["memory_breakdown_bytes"]):
+        lines.append(
+            f"  rank {rank:<3} {sum(parts.values()) / GiB:6.1f}  = " + " / ".join(
+                f"{parts[k] / GiB:.1f}" for k in ("parameters", "gradients", "optimizer_states", "activations", "buffers")
+            ) + f" (+{parts['margin'] / GiB:.1f} margin)"
+        )
+    if summary["alternatives"]:
+        lines += ["", "runners-up"]
+        for alt in summary["alternatives"]:
+            a = alt["strategy"]
+            label = " ".join(f"{k}={a[k]}" for k in ("dp", "tp", "pp", "microbatch", "schedule", "vp", "zero", "recompute", "sp"))
+            ratio = alt["predicted"]["step_time_s"] / p["step_time_s"]
+            lines.append(f"  {label}: {ratio:.2f}× step time" + ("" if alt["fits"] else ", does not fit"))
+    return "\n".join(lines)
