@@ -45,13 +45,18 @@ def trace(
     precision: str = "fp32",
     name: str | None = None,
     seq_len: int | None = None,
+    attention: str = "fused",
 ) -> OpGraph:
     """Trace `model` on `example_inputs` (a tensor, a tuple, or a dict of keyword inputs).
 
     `loss_fn(output, *inputs)` gives the scalar to differentiate; by default the mean of the
     model's first floating output. Parameters and inputs are replaced by meta tensors of the
     compute dtype of `precision`: the model itself is not modified and may live on any device.
+    `attention="math"` keeps attention unfused (scores materialized), as software without a fused
+    attention kernel runs it; the default is the fused kernel a GPU runs.
     """
+    if attention not in ("fused", "math"):
+        raise CaptureError(f"unknown attention {attention!r}: use 'fused' or 'math'")
     if precision not in PRECISIONS:
         raise CaptureError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     dtype = PRECISIONS[precision]
@@ -69,15 +74,20 @@ def trace(
     tags = _ModuleTagger(model)
     param_names, buffer_names = list(params), list(buffers)
     tensor_arg_positions = [i for i, a in enumerate(meta_args) if isinstance(a, torch.Tensor)]
+    # Keyword tensors are graph inputs too: closed over, they would stay meta, not fake, and fail.
+    tensor_kwarg_keys = [k for k, v in meta_kwargs.items() if isinstance(v, torch.Tensor)]
+    input_count = len(tensor_arg_positions)
 
     def step(*flat: torch.Tensor):
         p = dict(zip(param_names, flat[: len(param_names)]))
         b = dict(zip(buffer_names, flat[len(param_names): len(param_names) + len(buffer_names)]))
-        call_args = list(meta_args)
-        for slot, value in zip(tensor_arg_positions, flat[len(param_names) + len(buffer_names):]):
+        inputs = flat[len(param_names) + len(buffer_names):]
+        call_args, call_kwargs = list(meta_args), dict(meta_kwargs)
+        for slot, value in zip(tensor_arg_positions, inputs[:input_count]):
             call_args[slot] = value
-        with _FusedAttention():
-            output = functional_call(model, (p, b), tuple(call_args), meta_kwargs)
+        call_kwargs.update(zip(tensor_kwarg_keys, inputs[input_count:]))
+        with _FusedAttention() if attention == "fused" else contextlib.nullcontext():
+            output = functional_call(model, (p, b), tuple(call_args), call_kwargs)
         tags.set_module("")
         loss = loss_fn(output, *call_args) if loss_fn is not None else _default_loss(output)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -86,21 +96,28 @@ def trace(
         grads = torch.autograd.grad(loss, [p[n] for n in trainable], allow_unused=True)
         return loss, [g for g in grads if g is not None]
 
-    flat_inputs = list(params.values()) + list(buffers.values()) + [meta_args[i] for i in tensor_arg_positions]
+    flat_inputs = (
+        list(params.values()) + list(buffers.values())
+        + [meta_args[i] for i in tensor_arg_positions] + [meta_kwargs[k] for k in tensor_kwarg_keys]
+    )
     with tags, fx_traceback.preserve_node_meta(), _quiet_fake_tensor_logs():
         try:
-            graph_module = make_fx(step, tracing_mode="fake")(*flat_inputs)
+            # Tensors a model builds from data while tracing (torch.tensor([]) seeding a KV cache)
+            # are plain meta tensors, not fake ones: accept them, they become graph constants.
+            graph_module = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat_inputs)
         except CaptureError:
             raise
         except Exception as error:  # any failure inside user code or torch: name where it happened
             where = tags.current_path()
             owner = model.get_submodule(where) if where else model
             raise CaptureError(_capture_failure(name, error, where, type(owner).__name__)) from error
+    _refuse_data_dependent_shapes(graph_module.graph, model, name)
 
     placeholder_names = (
         [f"param:{n}" for n in param_names]
         + [f"buffer:{n}" for n in buffer_names]
         + [f"input:{i}" for i in tensor_arg_positions]
+        + [f"input:{k}" for k in tensor_kwarg_keys]
     )
     nodes = _convert(graph_module.graph, placeholder_names, tags.module_for_seq)
     layer_types = detect_layer_types(model, nodes)
@@ -110,7 +127,7 @@ def trace(
         precision=precision,
         batch=_batch_of(meta_args, meta_kwargs),
         seq_len=seq_len if seq_len is not None else _seq_of(meta_args, meta_kwargs),
-        inputs=[_meta(t) for t in meta_args if isinstance(t, torch.Tensor)],
+        inputs=[_meta(t) for t in flat_inputs[len(param_names) + len(buffer_names):]],
         nodes=nodes,
         params=infos,
         layer_types=layer_types,
@@ -130,11 +147,19 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 # --- tracing helpers ---------------------------------------------------------------------------
+_GROUPED_MM = {getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)} - {None}
+
+
 class _FusedAttention(TorchFunctionMode):
-    """Route SDPA to the fused kernels a GPU runs (see module docstring)."""
+    """Route SDPA to the fused kernels a GPU runs (see module docstring); refuse grouped GEMM
+    outside bf16, which torch's fake kernel (like the CUDA fast path) does not accept."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _GROUPED_MM and any(isinstance(a, torch.Tensor) and a.dtype != torch.bfloat16 for a in args[:2]):
+            raise NotImplementedError(  # torch's meta kernel refuses it deep inside; say what to do instead
+                f"grouped GEMM (MoE experts) traces only in bf16, got {args[0].dtype}: use precision='bf16'"
+            )
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         query, key, value = args[:3]
@@ -279,10 +304,31 @@ def _quiet_fake_tensor_logs():
         logger.setLevel(level)
 
 
+def _refuse_data_dependent_shapes(graph: torch.fx.Graph, model: nn.Module, name: str) -> None:
+    """A shape that depends on tensor values (`x[x > 0]`, `nonzero`) traces, but has no size to cost."""
+    for node in graph.nodes:
+        for value in tree_flatten(node.meta.get("val"))[0]:
+            if isinstance(value, torch.Tensor) and not all(isinstance(s, int) for s in value.shape):
+                where = (node.meta.get("custom") or {}).get("module", "")
+                owner = model.get_submodule(where) if where else model
+                error = DataDependentShape(f"the output shape of {node.target} depends on tensor values")
+                raise CaptureError(_capture_failure(name, error, where, type(owner).__name__))
+
+
+class DataDependentShape(Exception):
+    """Named in the message, so the user reads what went wrong rather than a torch internal."""
+
+
 def _capture_failure(name: str, error: Exception, path: str, class_name: str) -> str:
-    detail = " ".join(str(error).split())
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    detail = " ".join(lines[0].split()) if lines else ""  # torch appends pages of debugging advice
     if len(detail) > 300:
         detail = detail[:300] + "…"
+    if isinstance(error, DataDependentShape) or "data-dependent" in detail:
+        detail += (
+            " (Python control flow or shapes that depend on tensor values, e.g. `if x.sum() > 0`, "
+            ".tolist(), boolean-mask indexing, cannot be traced on shapes alone)"
+        )
     where = f"in module '{path}' ({class_name}.forward)" if path else f"in {class_name}.forward (top level)"
     return (
         f"cannot trace {name} {where}: {type(error).__name__}: {detail} "
@@ -337,6 +383,9 @@ def _convert(graph: torch.fx.Graph, placeholder_names: list[str], module_for_seq
         names[node] = label
         carried[node] = frozenset([label.removeprefix("param:")]) if label.startswith("param:") else frozenset()
         base[node] = (node, -1)
+    for node in fx_nodes:  # tensors made while tracing (e.g. an empty KV cache) are kept as constants
+        if node.op == "get_attr":
+            names[node], carried[node], base[node] = f"const:{node.target}", frozenset(), (node, -1)
 
     records: dict[torch.fx.Node, OpNode] = {}
     phase = "forward"
@@ -350,7 +399,8 @@ def _convert(graph: torch.fx.Graph, placeholder_names: list[str], module_for_seq
             base[node] = (base[source][0], index) if base[source][0] is source else base[source]
             continue
         inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, torch.fx.Node)]
-        input_meta = [_meta(a.meta["val"]) for a in inputs if isinstance(a.meta.get("val"), torch.Tensor)]
+        tensor_inputs = [a for a in inputs if isinstance(a.meta.get("val"), torch.Tensor)]
+        input_meta = [_meta(a.meta["val"]) for a in tensor_inputs]
         outputs = [t for t in tree_flatten(node.meta.get("val"))[0] if isinstance(t, torch.Tensor)]
         output_meta = [_meta(t) for t in outputs]
         view = work.is_view(node.target)
@@ -366,6 +416,7 @@ def _convert(graph: torch.fx.Graph, placeholder_names: list[str], module_for_seq
             phase=phase,
             inputs=list(dict.fromkeys(names[a] for a in inputs)),
             input_meta=input_meta,
+            input_names=[names[a] for a in tensor_inputs],
             output_meta=output_meta,
             flops=0 if view else work.tensor_flops(node.target, arg_vals, kwarg_vals, node.meta.get("val")),
             vector_flops=0 if view else work.vector_flops(

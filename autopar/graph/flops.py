@@ -33,6 +33,17 @@ _PER_INPUT_ELEMENT = {
 }
 
 
+def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+    """MoE grouped GEMM (absent from torch's registry): each row of the jagged operand meets one
+    group's matrix, so the work is one plain matmul over all rows, whatever the split."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:  # jagged contraction (weight gradient): (M, ΣK) × (ΣK, N)
+        return 2 * mat_a.shape[0] * mat_a.shape[1] * mat_b.shape[1]
+    return 2 * out_val.numel() * mat_a.shape[-1]
+
+
+_EXTRA_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
 def op_name(target: Any) -> str:
     if target is operator.getitem:
         return "getitem"
@@ -53,7 +64,7 @@ def is_view(target: Any) -> bool:
 
 def tensor_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     packet = getattr(target, "overloadpacket", None)
-    formula = flop_registry.get(packet)
+    formula = flop_registry.get(packet) or _EXTRA_FORMULAS.get(packet)
     if formula is None:
         return 0
     return int(formula(*args, **kwargs, out_val=out))
@@ -61,7 +72,7 @@ def tensor_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 def vector_flops(target: Any, input_numels: list[int], output_numels: list[int]) -> int:
     packet = getattr(target, "overloadpacket", None)
-    if packet is None or packet in flop_registry:
+    if packet is None or packet in flop_registry or packet in _EXTRA_FORMULAS:
         return 0
     name = packet.__name__
     if name in _PER_INPUT_ELEMENT:
