@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     inspect.set_defaults(handler=_inspect)
 
+    from profiler.cli import add_profile_command
+
+    add_profile_command(commands)
+
     plan = commands.add_parser("plan", help="predict step time, throughput and memory of a (partial) strategy")
     _add_model_arguments(plan)
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
