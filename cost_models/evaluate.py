@@ -33,6 +33,7 @@ class StageCost:
     forward_s: float  # one micro-batch, communication inside included
     backward_s: float
     activation_bytes: float  # one micro-batch's saved activations
+    transient_bytes: float  # what recompute rebuilds for the layer being differentiated: once, not per micro-batch
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,6 @@ def evaluate(
             on_device = unit.sharded_params / s.tp + (unit.params - unit.sharded_params)
             rank_params[rank] += on_device
             rank_largest_unit[rank] = max(rank_largest_unit[rank], on_device)
-        activations += largest_full_layer  # what recompute rebuilds for the layer being differentiated
         zero3_forward = zero3_backward = 0.0
         if s.zero >= 3 and s.dp > 1:
             stage_weight_bytes = sum(u.sharded_params / s.tp + u.params - u.sharded_params for u in units) * per.weight
@@ -132,7 +132,7 @@ def evaluate(
             zero3_backward = max(gather + scatter - backward, first)
         f = forward + forward_comm + zero3_forward
         bw = backward + backward_comm + recompute_extra + zero3_backward
-        stage_costs.append(StageCost(index, rank, tuple(u.name for u in units), f, bw, activations))
+        stage_costs.append(StageCost(index, rank, tuple(u.name for u in units), f, bw, activations, largest_full_layer))
         compute_parts.append((forward + backward, recompute_extra,
                               forward_comm + backward_comm + zero3_forward + zero3_backward))
 
@@ -168,7 +168,9 @@ def evaluate(
     memory = tuple(
         device_memory(
             params_on_device=rank_params[rank], largest_unit_params=rank_largest_unit[rank],
-            precision=facts.precision, zero=s.zero, dp=s.dp, activation_bytes=pipe.peak_in_flight[rank],
+            precision=facts.precision, zero=s.zero, dp=s.dp,
+            activation_bytes=pipe.peak_in_flight[rank]
+            + max(c.transient_bytes for c in stage_costs if c.rank == rank),
         )
         for rank in range(s.pp)
     )

@@ -18,6 +18,7 @@ import bisect
 import contextlib
 import hashlib
 import logging
+import math
 from typing import Any, Callable
 
 import torch
@@ -86,7 +87,7 @@ def trace(
         for slot, value in zip(tensor_arg_positions, inputs[:input_count]):
             call_args[slot] = value
         call_kwargs.update(zip(tensor_kwarg_keys, inputs[input_count:]))
-        with _FusedAttention() if attention == "fused" else contextlib.nullcontext():
+        with _GpuKernels(attention):
             output = functional_call(model, (p, b), tuple(call_args), call_kwargs)
         tags.set_module("")
         loss = loss_fn(output, *call_args) if loss_fn is not None else _default_loss(output)
@@ -150,9 +151,16 @@ def model_fingerprint(model: nn.Module) -> str:
 _GROUPED_MM = {getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)} - {None}
 
 
-class _FusedAttention(TorchFunctionMode):
-    """Route SDPA to the fused kernels a GPU runs (see module docstring); refuse grouped GEMM
-    outside bf16, which torch's fake kernel (like the CUDA fast path) does not accept."""
+class _GpuKernels(TorchFunctionMode):
+    """Trace the kernels a GPU runs where the meta device would decompose differently (see the
+    module docstring): attention as one fused op, or with `attention="math"` as Megatron-style
+    unfused kernels (batched matmul, softmax, dropout, batched matmul); dropout as the fused
+    `native_dropout` CUDA uses. Grouped GEMM outside bf16 is refused with a clear message, as
+    torch's fake kernel (like the CUDA fast path) does not accept it."""
+
+    def __init__(self, attention: str) -> None:
+        super().__init__()
+        self.attention = attention
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -160,6 +168,8 @@ class _FusedAttention(TorchFunctionMode):
             raise NotImplementedError(  # torch's meta kernel refuses it deep inside; say what to do instead
                 f"grouped GEMM (MoE experts) traces only in bf16, got {args[0].dtype}: use precision='bf16'"
             )
+        if func is F.dropout:
+            return _dropout(*args, **kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         query, key, value = args[:3]
@@ -171,6 +181,8 @@ class _FusedAttention(TorchFunctionMode):
             value = value.repeat_interleave(repeats, dim=-3)
         dropout, causal, scale = rest.get("dropout_p", 0.0), rest.get("is_causal", False), rest.get("scale")
         mask = rest.get("attn_mask")
+        if self.attention == "math":
+            return _unfused_attention(query, key, value, mask, dropout, scale)
         if mask is None:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout, causal, False, scale=scale
@@ -181,6 +193,29 @@ class _FusedAttention(TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, mask, True, dropout, causal, scale=scale
         )[0]
+
+
+def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    if not training or p == 0:
+        return input
+    return torch.ops.aten.native_dropout(input, p, True)[0]
+
+
+def _unfused_attention(query, key, value, mask, dropout: float, scale: float | None) -> torch.Tensor:
+    """Scores materialized: QKᵀ (scale folded in, as baddbmm's alpha does), one softmax kernel
+    (scaling and masking fused into it, as Megatron-LM's fused softmax does), dropout, then ·V."""
+    *batch, length, dim = query.shape
+    rows = math.prod(batch)
+    q = query.reshape(rows, length, dim)
+    k = key.reshape(rows, key.shape[-2], dim)
+    v = value.reshape(rows, value.shape[-2], value.shape[-1])
+    scores = torch.bmm(q, k.transpose(1, 2))
+    if mask is not None and mask.dtype != torch.bool:
+        scores = scores + mask.expand(*batch, length, key.shape[-2]).reshape(rows, length, key.shape[-2])
+    probabilities = torch.softmax(scores, dim=-1)
+    if dropout > 0:
+        probabilities = torch.ops.aten.native_dropout(probabilities, dropout, True)[0]
+    return torch.bmm(probabilities, v).reshape(*batch, length, value.shape[-1])
 
 
 class _ModuleTagger:
