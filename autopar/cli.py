@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategy", default="", help="fixed keys, e.g. tp=8,pp=12,dp=16,microbatch=1,zero=1,"
                       "recompute=full,schedule=1f1b,vp=1,sp=true; keys left out are chosen by the cost model")
     plan.add_argument("--json", metavar="PATH", help="write the prediction as JSON to PATH, or - for stdout")
+    plan.add_argument("--profile", metavar="DB", help="calibrate the roofline from this profile database")
+    plan.add_argument("--profile-device", metavar="NAME",
+                      help="which device of the database to use (default: the one matching the cluster's GPU)")
     plan.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     plan.set_defaults(handler=_plan)
     return parser
@@ -128,7 +131,10 @@ def _plan(args: argparse.Namespace) -> int:
     facts = model_facts(graph, heads=config.heads if config else None,
                         kv_heads=config.num_kv_heads if config else None, vocab=config.vocab if config else None)
     layers = len(facts.layer_units) or 1
-    result = what_if(facts, cluster, fixed, args.global_batch, layers=layers)
+    efficiency = None
+    if args.profile:
+        efficiency = _calibration(args, graph, cluster)
+    result = what_if(facts, cluster, fixed, args.global_batch, layers=layers, efficiency=efficiency)
     summary = whatif_summary(result, model=spec.name, cluster=cluster, global_batch=args.global_batch,
                              seq_len=seq_len, fixed=fixed)
     if args.json == "-":
@@ -142,6 +148,36 @@ def _plan(args: argparse.Namespace) -> int:
               f"add GPUs, recompute=full, a higher zero stage, or a smaller micro-batch", file=sys.stderr)
         return 3
     return 0
+
+
+def _calibration(args: argparse.Namespace, graph, cluster):
+    from cost_models.calibration import calibrate_from_database
+    from profiler.database import ProfileDB
+
+    with ProfileDB(args.profile, readonly=True) as db:
+        devices = db.devices()
+        name = args.profile_device or _matching_device(devices, cluster.gpu.name)
+        if name not in devices:
+            raise AutoparError(
+                f"profile database {args.profile} has no device {name!r} (it has: {', '.join(devices) or 'none'}): "
+                f"pass --profile-device with one of those, profiled on the cluster's GPU kind"
+            )
+        calibration = calibrate_from_database(graph, db, cluster.gpu, name)
+    measured = ", ".join(f"{k} from {n} ops" for k, n in calibration.samples.items() if n) or "nothing measured"
+    print(f"roofline calibrated on {name}: {measured}", file=sys.stderr)
+    return calibration.efficiency
+
+
+def _matching_device(devices: list[str], gpu_name: str) -> str:
+    """A profile is used only for the GPU kind it was measured on: match the kind's model name."""
+    kind = gpu_name.split("-")[0].lower()  # "H100-SXM5-80GB" → "h100"
+    matches = [d for d in devices if kind in d.lower()]
+    if len(matches) != 1:
+        raise AutoparError(
+            f"cannot tell which device of the profile database is a {gpu_name} (it has: {', '.join(devices) or 'none'}): "
+            f"pass --profile-device"
+        )
+    return matches[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
 from autopar.plan import Strategy
+from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.facts import ModelFacts
 from cost_models.strategy import check_strategy
@@ -64,7 +65,8 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
 
 
 def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int,
-            *, layers: int, top_k: int = 5) -> WhatIf:
+            *, layers: int, top_k: int = 5, efficiency: Efficiency | None = None) -> WhatIf:
+    efficiency = efficiency or DEFAULT_EFFICIENCY
     _check_fixed_degrees(fixed, cluster.world_size)
     rejected: dict[str, int] = {}
     quick: list[Evaluation] = []
@@ -78,7 +80,7 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
             rule = str(error)
             rejected[rule] = rejected.get(rule, 0) + 1
             continue
-        quick.append(evaluate(facts, cluster, strategy, global_batch, exact=False))
+        quick.append(evaluate(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency))
     if not quick:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
@@ -87,7 +89,8 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
             + (f": e.g. {next(iter(rejected))}" if rejected else "")
         )
     quick.sort(key=lambda e: (not e.fits, e.step_time_s))
-    ranked = [evaluate(facts, cluster, e.strategy, global_batch, exact=True) for e in quick[:top_k]]
+    ranked = [evaluate(facts, cluster, e.strategy, global_batch, exact=True, efficiency=efficiency)
+              for e in quick[:top_k]]
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
     best = ranked[0] if ranked[0].fits else None
     return WhatIf(best=best, ranked=ranked, candidates=count, rejected=rejected)

@@ -230,3 +230,18 @@ def test_plan_that_cannot_fit_exits_3(capsys):
 )
 def test_plan_rejects_invalid_strategies_with_the_rule(capsys, strategy, words):
     _assert_one_line_error(*run(capsys, *PLAN_SMALL, "--strategy", strategy), *words)
+
+
+def test_plan_calibrated_from_a_cpu_profile(capsys, tmp_path):
+    db = str(tmp_path / "profiles.db")
+    model = ["--model", "gpt", "--model-config", "layers=1,hidden=64,heads=4,vocab=100,seq_len=32", "--seq-len", "32",
+             "--precision", "fp32"]
+    assert main(["profile", *model, "--device", "cpu", "--db", db, "--tp", "1", "--microbatches", "1",
+                 "--repeats", "2", "--warmup", "1"]) == 0
+    capsys.readouterr()
+    code, out, err = run(capsys, "plan", *model, "--global-batch", "2", "--cluster", "local", "--profile", db,
+                         "--json", "-")
+    assert code == 0 and json.loads(out)["predicted"]["step_time_s"] > 0
+    assert "roofline calibrated on cpu" in err and "matmul from" in err
+    _assert_one_line_error(*run(capsys, "plan", *model, "--global-batch", "2", "--cluster", "dgx-h100",
+                                "--profile", db), "pass --profile-device")

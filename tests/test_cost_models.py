@@ -153,3 +153,43 @@ def test_parse_strategy():
 def test_invalid_strategies_name_the_rule(changes, batch, words):
     with pytest.raises(AutoparError, match=words):
         check_strategy(strategy(**changes), world_size=16, global_batch=batch, layers=8, heads=8)
+
+
+# --- calibration from profiles --------------------------------------------------------------------
+def test_calibration_recovers_known_efficiencies():
+    from autopar.cluster import GpuSpec
+    from cost_models.calibration import calibrate
+
+    spec = build_model("gpt", "layers=2,hidden=256,heads=4,vocab=512,seq_len=128")
+    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="bf16")
+    gpu = GpuSpec(name="test", peak_tflops={"bf16": 100.0}, memory_bytes=2**34, hbm_bandwidth_bytes_per_s=1e12)
+    times = {}
+    for node in graph.nodes:  # a synthetic device: matmuls at 50% of peak, attention 40%, HBM 70%
+        moved = node.bytes_read + node.bytes_written
+        if node.is_view:
+            continue
+        if "flash_attention" in node.op:
+            times[node.name] = node.flops / (0.4 * 100e12)
+        elif node.flops:
+            times[node.name] = node.flops / (0.5 * 100e12)
+        elif moved >= 2**20:
+            times[node.name] = moved / (0.7 * 1e12)
+        elif moved < 2**16:
+            times[node.name] = 7e-6
+    result = calibrate(graph, times, gpu, "test")
+    assert result.efficiency.matmul == pytest.approx(0.5)
+    assert result.efficiency.attention == pytest.approx(0.4)
+    assert result.efficiency.memory == pytest.approx(0.7)
+    assert result.efficiency.launch_overhead_s == pytest.approx(7e-6)
+    assert all(result.samples[k] > 0 for k in ("matmul", "attention", "memory", "launch_overhead_s"))
+
+
+def test_calibration_without_samples_keeps_the_documented_defaults():
+    from cost_models.calibration import calibrate
+    from cost_models.compute import DEFAULT_EFFICIENCY
+
+    spec = build_model("gpt", "layers=1,hidden=64,heads=4,vocab=100,seq_len=16")
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16")
+    result = calibrate(graph, {}, CLUSTER.gpu, "nowhere")
+    assert result.efficiency == DEFAULT_EFFICIENCY
+    assert set(result.samples.values()) == {0}

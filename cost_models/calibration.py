@@ -1,0 +1,82 @@
+"""Roofline efficiencies calibrated from a profile database, so the fallback for unprofiled ops
+(and for sharded shapes not measured) agrees with what the GPU measured.
+
+For the ops of a traced graph that the database holds for one device, at their traced shapes:
+- η_matmul: median achieved FLOP/s over peak, over the larger half (by FLOPs) of matmul ops;
+- η_attention: the same over fused-attention ops;
+- η_memory: median achieved bytes/s over HBM bandwidth, over elementwise ops moving ≥ 1 MiB;
+- launch overhead: median time of elementwise ops moving < 64 KiB (their time is mostly launch).
+A class with no samples keeps the documented default of `cost_models.compute.Efficiency`, and the
+result says which constants were measured and from how many ops.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from autopar.cluster import GpuSpec
+from autopar.graph.ir import OpGraph, OpNode
+from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
+
+_LARGE_BYTES = 2**20
+_SMALL_BYTES = 64 * 2**10
+
+
+@dataclass(frozen=True)
+class Calibration:
+    efficiency: Efficiency
+    device_name: str
+    samples: dict[str, int] = field(default_factory=dict)  # constant → ops it was measured from (0: default)
+
+
+def _kind(node: OpNode) -> str:
+    if node.is_view:
+        return "view"
+    if any(marker in node.op for marker in ("scaled_dot_product", "flash_attention", "efficient_attention")):
+        return "attention"
+    return "matmul" if node.flops else "vector"
+
+
+def calibrate(graph: OpGraph, times_s: dict[str, float], gpu: GpuSpec, device_name: str,
+              base: Efficiency = DEFAULT_EFFICIENCY) -> Calibration:
+    """`times_s`: measured seconds per graph node name (nodes not measured are left out)."""
+    peak = gpu.peak_flops_per_s(graph.precision)
+    by_kind: dict[str, list[tuple[OpNode, float]]] = {"matmul": [], "attention": [], "vector": []}
+    for node in graph.nodes:
+        time_s = times_s.get(node.name)
+        kind = _kind(node)
+        if time_s and time_s > 0 and kind in by_kind:
+            by_kind[kind].append((node, time_s))
+
+    values: dict[str, float] = {}
+    samples: dict[str, int] = {"matmul": 0, "attention": 0, "memory": 0, "launch_overhead_s": 0}
+    for kind in ("matmul", "attention"):
+        measured = sorted(by_kind[kind], key=lambda item: item[0].flops, reverse=True)
+        large = measured[: max(1, len(measured) // 2)] if measured else []
+        if large:
+            values[kind] = min(1.0, statistics.median(n.flops / t / peak for n, t in large))
+            samples[kind] = len(large)
+    moving = [(n, t) for n, t in by_kind["vector"] if n.bytes_read + n.bytes_written >= _LARGE_BYTES]
+    if moving:
+        values["memory"] = min(1.0, statistics.median(
+            (n.bytes_read + n.bytes_written) / t / gpu.hbm_bandwidth_bytes_per_s for n, t in moving))
+        samples["memory"] = len(moving)
+    tiny = [t for n, t in by_kind["vector"] if n.bytes_read + n.bytes_written < _SMALL_BYTES]
+    if tiny:
+        values["launch_overhead_s"] = statistics.median(tiny)
+        samples["launch_overhead_s"] = len(tiny)
+    return Calibration(efficiency=replace(base, **values), device_name=device_name, samples=samples)
+
+
+def calibrate_from_database(graph: OpGraph, db, gpu: GpuSpec, device_name: str) -> Calibration:
+    """Look up every node of `graph` (at its traced shape) in a `profiler.database.ProfileDB`."""
+    from profiler.signatures import needs_profile, signature_of
+
+    times = {}
+    for node in graph.nodes:
+        if needs_profile(node):
+            time_s = db.lookup_time_s(device_name, graph.precision, signature_of(node))
+            if time_s:
+                times[node.name] = time_s
+    return calibrate(graph, times, gpu, device_name)
