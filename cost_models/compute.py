@@ -57,6 +57,8 @@ class UnitTime:
     backward_reduce_bytes: float
     forward_reduces: int
     backward_reduces: int
+    forward_collectives: tuple[tuple[str, float], ...] = ()  # other tp collectives: (kind, bytes)
+    backward_collectives: tuple[tuple[str, float], ...] = ()
 
 
 def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp: bool,
@@ -75,4 +77,6 @@ def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp: 
         backward_reduce_bytes=sum(backward_reduce),
         forward_reduces=len(forward_reduce),
         backward_reduces=len(backward_reduce),
+        forward_collectives=tuple((kind, size * batch) for op in unit.forward_ops for kind, size in op.collectives),
+        backward_collectives=tuple((kind, size * batch) for op in unit.backward_ops for kind, size in op.collectives),
     )

@@ -65,15 +65,19 @@ def evaluate(
     *,
     efficiency: Efficiency = DEFAULT_EFFICIENCY,
     exact: bool = True,
+    stages: list[list[Unit]] | None = None,
 ) -> Evaluation:
-    """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates)."""
+    """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates);
+    `stages` overrides the even split of layers with a searched partition (pp·vp lists of units)."""
     s = strategy
     dtype = facts.precision
     gpu = cluster.gpu
     b = s.microbatch
     per = state_bytes_per_param(facts.precision)
 
-    stages_units = partition(facts, s.pp * s.vp)
+    stages_units = stages if stages is not None else partition(facts, s.pp * s.vp)
+    if len(stages_units) != s.pp * s.vp:
+        raise ValueError(f"{len(stages_units)} stages given for pp×vp = {s.pp * s.vp}")
     times: dict[tuple[str, str], UnitTime] = {}
 
     def timed(unit: Unit) -> UnitTime:
@@ -86,10 +90,11 @@ def evaluate(
     dp_layout = group_layout(s.dp, s.tp, cluster.gpus_per_node)
     pp_layout = group_layout(s.pp, s.dp * s.tp, cluster.gpus_per_node)
 
-    def reduce_time(total_bytes: float, count: int) -> float:
-        if count == 0 or s.tp == 1:
+    def reduce_time(total_bytes: float, count: int, others: tuple[tuple[str, float], ...] = ()) -> float:
+        if s.tp == 1:
             return 0.0
-        return count * collective_time_s("all_reduce", total_bytes / count, tp_layout, cluster)
+        reduces = count * collective_time_s("all_reduce", total_bytes / count, tp_layout, cluster) if count else 0.0
+        return reduces + sum(collective_time_s(kind, size, tp_layout, cluster) for kind, size in others)
 
     stage_costs: list[StageCost] = []
     compute_parts: list[tuple[float, float, float]] = []  # (compute, recompute, tp comm) per micro-batch
@@ -104,11 +109,11 @@ def evaluate(
         largest_full_layer = 0.0
         for unit in units:
             t = timed(unit)
-            unit_forward_comm = reduce_time(t.forward_reduce_bytes, t.forward_reduces)
+            unit_forward_comm = reduce_time(t.forward_reduce_bytes, t.forward_reduces, t.forward_collectives)
             forward += t.forward_s
             backward += t.backward_s
             forward_comm += unit_forward_comm
-            backward_comm += reduce_time(t.backward_reduce_bytes, t.backward_reduces)
+            backward_comm += reduce_time(t.backward_reduce_bytes, t.backward_reduces, t.backward_collectives)
             full = unit_activation_bytes(unit, b, s.tp, s.sp, "none")
             if unit.layer_type is not None and s.recompute == "full":
                 recompute_extra += t.forward_s + unit_forward_comm

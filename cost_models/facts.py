@@ -40,6 +40,9 @@ class OpFacts:
     reduce_bytes: float  # partial sums all-reduced over tp before this op runs
     saved_bytes: float  # kept from forward for backward
     saved_sharded: bool
+    # Other tp-group collectives this op needs first (kind, bytes per sample), e.g. the all-gather
+    # or all-to-all an intra-op sharding plan inserts; empty for the Megatron-style propagation.
+    collectives: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
