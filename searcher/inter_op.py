@@ -1,0 +1,96 @@
+"""Inter-op partitioning: cut the unit sequence into contiguous pipeline stages.
+
+With per-micro-batch stage times T_s, a 1F1B step takes about (m-1)·max_s T_s + Σ_s T_s, and
+Σ_s T_s is the same for every partition, so the best partition minimizes the bottleneck stage
+subject to each stage's memory fitting (Alpa's inter-op pass, Zheng et al., OSDI'22, §5, solves
+the same problem jointly with sub-mesh choice; our sub-meshes are uniform dp×tp slices).
+
+Dynamic program over (stages used, units covered): best[s][j] is the smallest bottleneck that
+places units [0, j) on s stages; a stage [i, j) is allowed only if its memory, with the number
+of micro-batches it holds in flight, fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit on one rank of its stage, for one micro-batch."""
+
+    time_s: float  # forward + backward (+ recompute, + communication inside)
+    state_bytes: float  # parameters, gradients, optimizer states: held once
+    activation_bytes: float  # held per in-flight micro-batch
+    transient_bytes: float = 0.0  # held once while the unit is differentiated (recompute)
+
+
+def in_flight(stage: int, stages: int, num_microbatches: int, schedule: str) -> int:
+    """Micro-batches whose activations stage `stage` holds at its peak."""
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(stages - stage, num_microbatches)
+
+
+def partition(
+    costs: list[UnitCost],
+    stages: int,
+    *,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    memory_capacity_bytes: float | None = None,
+    must_start: set[int] | None = None,
+) -> list[tuple[int, int]] | None:
+    """Stage boundaries as [(start, end), ...] over `costs`, or None when nothing fits.
+
+    `must_start`: unit indices that may not share a stage with the unit before them (none by
+    default). Ties are broken towards earlier cuts, so the result is deterministic.
+    """
+    n = len(costs)
+    if stages < 1 or stages > n:
+        return None
+    prefix_time = [0.0]
+    prefix_state = [0.0]
+    prefix_activation = [0.0]
+    for cost in costs:
+        prefix_time.append(prefix_time[-1] + cost.time_s)
+        prefix_state.append(prefix_state[-1] + cost.state_bytes)
+        prefix_activation.append(prefix_activation[-1] + cost.activation_bytes)
+
+    def fits(stage: int, start: int, end: int) -> bool:
+        if memory_capacity_bytes is None:
+            return True
+        held = in_flight(stage, stages, num_microbatches, schedule)
+        transient = max(c.transient_bytes for c in costs[start:end])
+        total = (prefix_state[end] - prefix_state[start]
+                 + held * (prefix_activation[end] - prefix_activation[start]) + transient)
+        return total <= memory_capacity_bytes
+
+    infinity = float("inf")
+    best = [[infinity] * (n + 1) for _ in range(stages + 1)]
+    cut = [[-1] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        # Stage s-1 covers [i, j); leave at least one unit for each later stage.
+        for j in range(s, n - (stages - s) + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == infinity or (must_start and any(k in must_start for k in range(i + 1, j))):
+                    continue
+                if not fits(s - 1, i, j):
+                    continue
+                value = max(best[s - 1][i], prefix_time[j] - prefix_time[i])
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    if best[stages][n] == infinity:
+        return None
+    bounds = []
+    end = n
+    for s in range(stages, 0, -1):
+        start = cut[s][end]
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
+def bottleneck_s(costs: list[UnitCost], bounds: list[tuple[int, int]]) -> float:
+    return max(sum(c.time_s for c in costs[start:end]) for start, end in bounds)
