@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profile_command(commands)
 
-    plan = commands.add_parser("plan", help="predict step time, throughput and memory of a (partial) strategy")
+    plan = commands.add_parser(
+        "plan", help="search the best parallel strategy (or cost a full or partial --strategy) and report it")
     _add_model_arguments(plan)
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     plan.add_argument("--cluster", required=True, help="preset name or YAML/JSON cluster file")
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategy", default="", help="fixed keys, e.g. tp=8,pp=12,dp=16,microbatch=1,zero=1,"
                       "recompute=full,schedule=1f1b,vp=1,sp=true; keys left out are chosen by the cost model")
     plan.add_argument("--json", metavar="PATH", help="write the prediction as JSON to PATH, or - for stdout")
+    plan.add_argument("--save-plan", metavar="PATH", help="write the chosen plan (the file `autopar run --plan` reads)")
+    plan.add_argument("--no-ilp", action="store_true", help="skip the intra-op ILP (Megatron-style tensor parallelism)")
     plan.add_argument("--profile", metavar="DB", help="calibrate the roofline from this profile database")
     plan.add_argument("--profile-device", metavar="NAME",
                       help="which device of the database to use (default: the one matching the cluster's GPU)")
@@ -113,13 +116,17 @@ def _plan(args: argparse.Namespace) -> int:
     from autopar.graph import trace
     from autopar.io import atomic_write_text
     from autopar.models import build_model
-    from autopar.whatif_report import render, whatif_summary
+    from autopar.plan_report import plan_summary, render
     from cost_models.facts import model_facts
     from cost_models.strategy import parse_strategy
-    from cost_models.whatif import what_if
+    from searcher.plan_builder import build_plan
+    from searcher.search import search
+
+    from cost_models.whatif import _check_fixed_degrees
 
     fixed = parse_strategy(args.strategy)
     cluster = load_cluster(args.cluster, gpus=args.gpus)
+    _check_fixed_degrees(fixed, cluster.world_size)  # before the (possibly long) trace
     if args.global_batch <= 0:
         raise AutoparError(f"--global-batch must be positive, got {args.global_batch}")
     spec = build_model(args.model, args.model_config)
@@ -130,22 +137,29 @@ def _plan(args: argparse.Namespace) -> int:
     config = spec.config
     facts = model_facts(graph, heads=config.heads if config else None,
                         kv_heads=config.num_kv_heads if config else None, vocab=config.vocab if config else None)
-    layers = len(facts.layer_units) or 1
-    efficiency = None
-    if args.profile:
-        efficiency = _calibration(args, graph, cluster)
-    result = what_if(facts, cluster, fixed, args.global_batch, layers=layers, efficiency=efficiency)
-    summary = whatif_summary(result, model=spec.name, cluster=cluster, global_batch=args.global_batch,
-                             seq_len=seq_len, fixed=fixed)
+    efficiency = _calibration(args, graph, cluster) if args.profile else None
+    print(f"searching {cluster.world_size} GPUs ...", file=sys.stderr, flush=True)
+    result = search(graph, facts, cluster, args.global_batch, fixed=fixed, use_ilp=not args.no_ilp,
+                    **({"efficiency": efficiency} if efficiency else {}))
+    chosen = result.best or result.ranked[0]
+    plan = build_plan(chosen, graph, facts, cluster) if result.best else None
+    summary = plan_summary(result, model=spec.name, cluster=cluster, global_batch=args.global_batch,
+                           seq_len=seq_len, fixed=fixed, plan=plan)
+    if args.save_plan and plan is not None:
+        from autopar.plan import save_plan
+
+        save_plan(plan, args.save_plan)
     if args.json == "-":
         print(json.dumps(summary, indent=2))
     else:
         if args.json:
             atomic_write_text(args.json, json.dumps(summary, indent=2))
         print(render(summary))
-    if not summary["fits"]:
-        print(f"autopar: no strategy of this form fits in {summary['capacity_bytes'] / 2**30:.1f} GiB per GPU: "
-              f"add GPUs, recompute=full, a higher zero stage, or a smaller micro-batch", file=sys.stderr)
+    if result.best is None:
+        print(f"autopar: no plan fits in {summary['capacity_bytes'] / 2**30:.1f} GiB per GPU "
+              f"(the closest needs {summary['predicted']['peak_memory_bytes'] / 2**30:.1f} GiB): "
+              f"add GPUs, allow recompute=full or a higher zero stage, or lower the micro-batch"
+              + (" (fixed keys may be the cause)" if fixed else ""), file=sys.stderr)
         return 3
     return 0
 

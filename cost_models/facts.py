@@ -75,6 +75,7 @@ class ModelFacts:
     heads: int | None = None
     kv_heads: int | None = None
     vocab: int | None = None
+    param_tp_dims: dict[str, int] = field(default_factory=dict)  # tensor-parallel shard dim of each sharded parameter
     extra: dict = field(default_factory=dict)
 
     @property
@@ -124,6 +125,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     return ModelFacts(
         model_name=graph.model_name, precision=graph.precision, seq_len=graph.seq_len or 1, units=units,
         num_params=graph.num_params, heads=heads, kv_heads=kv_heads, vocab=vocab,
+        param_tp_dims=_param_tp_dims(graph, status, sharded),
     )
 
 
@@ -284,3 +286,35 @@ def _unit_input_bytes(graph: OpGraph, unit_of: dict[str, str], per_sample: float
                 sizes.setdefault(unit, 0.0)
                 sizes[unit] = max(sizes[unit], output_bytes[source] * per_sample)
     return sizes
+
+
+def _param_tp_dims(graph: OpGraph, status: dict[str, tuple[str, float]], sharded: set[str]) -> dict[str, int]:
+    """Which dimension of each sharded parameter tensor parallelism splits, as stored.
+
+    Column parallel splits the contraction's output features, row parallel its input features; a
+    weight reached through a transpose (nn.Linear's [out, in]) has them the other way round.
+    """
+    by_name = {node.name: node for node in graph.nodes}
+    dims: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.phase != "forward":
+            continue
+        packet = _packet(node)
+        if packet == "embedding":
+            dims.update({p: 0 for p in node.params if p in sharded and p not in dims})
+            continue
+        if packet not in _CONTRACTIONS or len(node.input_names) <= max(_CONTRACTIONS[packet]):
+            continue
+        operand = node.input_names[_CONTRACTIONS[packet][1]]  # the weight-side operand
+        transposed = False
+        while operand in by_name and by_name[operand].is_view:
+            transposed ^= _packet(by_name[operand]) in ("t", "transpose", "permute")
+            names = by_name[operand].input_names
+            operand = names[0] if names else ""
+        param = operand.removeprefix("param:")
+        if not operand.startswith("param:") or param not in sharded or param in dims:
+            continue
+        column = status[node.name][0] == "S"
+        operand_dim = 1 if column else 0  # operand is [in, out]: column splits out, row splits in
+        dims[param] = 1 - operand_dim if transposed else operand_dim
+    return dims

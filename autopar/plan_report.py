@@ -1,6 +1,6 @@
-"""`autopar plan` (what-if form): cost a full or partial strategy and report it.
+"""What `autopar plan` reports: the chosen strategy, its prediction, stages, runners-up and why-not rows.
 
-One report model (`whatif_summary`, plain data: the `--json` output) and its terminal renderer.
+One report model (`plan_summary`, plain data: the `--json` output) and its terminal renderer.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from cost_models.evaluate import Evaluation
-from cost_models.whatif import WhatIf
 
 GiB = 2**30
 
@@ -41,10 +40,11 @@ def evaluation_summary(evaluation: Evaluation) -> dict[str, Any]:
     }
 
 
-def whatif_summary(result: WhatIf, *, model: str, cluster: Any, global_batch: int, seq_len: int,
-                   fixed: dict[str, Any]) -> dict[str, Any]:
+def plan_summary(result: Any, *, model: str, cluster: Any, global_batch: int, seq_len: int,
+                 fixed: dict[str, Any], plan: Any = None) -> dict[str, Any]:
+    """`result`: a searcher.search.SearchResult."""
     chosen = result.best or result.ranked[0]
-    summary = evaluation_summary(chosen)
+    summary = evaluation_summary(chosen.evaluation)
     summary.update({
         "model": model,
         "cluster": {"name": cluster.name, "gpu": cluster.gpu.name, "world_size": cluster.world_size,
@@ -52,10 +52,18 @@ def whatif_summary(result: WhatIf, *, model: str, cluster: Any, global_batch: in
         "global_batch": global_batch,
         "seq_len": seq_len,
         "fixed": fixed,
-        "capacity_bytes": chosen.capacity_bytes,
-        "candidates": result.candidates,
-        "alternatives": [evaluation_summary(e) for e in result.ranked if e is not chosen],
+        "capacity_bytes": chosen.evaluation.capacity_bytes,
+        "search": {"candidates": result.candidates, "seconds": round(result.search_s, 3),
+                   "ilp_variables": result.ilp_variables, "ilp_solve_s": round(result.ilp_solve_s, 3),
+                   "rejected": result.rejected},
+        "alternatives": [evaluation_summary(c.evaluation) for c in result.ranked if c is not chosen],
+        "why_not": [{"label": w.label, "strategy": None if w.strategy is None else
+                     {k: getattr(w.strategy, k) for k in ("dp", "tp", "pp", "sp", "zero", "recompute", "microbatch",
+                                                          "num_microbatches", "schedule", "vp")},
+                     "reason": w.reason} for w in result.why_not],
     })
+    if plan is not None:
+        summary["plan"] = plan.model_dump(mode="json")
     return summary
 
 
@@ -89,11 +97,32 @@ def render(summary: dict[str, Any]) -> str:
                 f"{parts[k] / GiB:.1f}" for k in ("parameters", "gradients", "optimizer_states", "activations", "buffers")
             ) + f" (+{parts['margin'] / GiB:.1f} margin)"
         )
+    lines += ["", "stages (one micro-batch on one rank)"]
+    for stage in summary["stages"]:
+        units = stage["units"]
+        shown = ", ".join(units[:3]) + (f", … {units[-1]}" if len(units) > 3 else "")
+        lines.append(f"  stage {stage['index']:<3} rank {stage['rank']:<3} {len(units):>3} units  "
+                     f"fwd {stage['forward_s'] * 1e3:8.2f} ms  bwd {stage['backward_s'] * 1e3:8.2f} ms  ({shown})")
     if summary["alternatives"]:
         lines += ["", "runners-up"]
         for alt in summary["alternatives"]:
             a = alt["strategy"]
-            label = " ".join(f"{k}={a[k]}" for k in ("dp", "tp", "pp", "microbatch", "schedule", "vp", "zero", "recompute", "sp"))
+            label = " ".join(f"{k}={a[k]}" for k in ("dp", "tp", "pp", "microbatch", "schedule", "vp", "zero",
+                                                     "recompute", "sp"))
             ratio = alt["predicted"]["step_time_s"] / p["step_time_s"]
             lines.append(f"  {label}: {ratio:.2f}× step time" + ("" if alt["fits"] else ", does not fit"))
+    if summary.get("why_not"):
+        lines += ["", "why not"]
+        for row in summary["why_not"]:
+            label = row["label"]
+            if row["strategy"]:
+                a = row["strategy"]
+                label += " [" + " ".join(f"{k}={a[k]}" for k in ("dp", "tp", "pp", "microbatch", "schedule", "vp",
+                                                                "zero", "recompute", "sp")) + "]"
+            lines.append(f"  {label}: {row['reason']}")
+    search = summary.get("search")
+    if search:
+        lines += ["", f"searched {search['candidates']:,} strategies in {search['seconds']:.1f} s"
+                  + (f" (ILP: {search['ilp_variables']:,} variables, {search['ilp_solve_s']:.1f} s)"
+                     if search["ilp_variables"] else "")]
     return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""What the runtime can execute: the searcher offers nothing outside this table.
+
+Shared by the searcher (which filters candidate strategies through `supports`) and the runtime
+(issue #6), whose parity tests must cover every entry listed here; an entry is added only
+together with the runtime code and tests that realize it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.plan import Strategy
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    sequence_parallel: bool = True
+    max_vp: int = 8
+
+    def supports(self, strategy: Strategy) -> str | None:
+        """None when the runtime can execute `strategy`, else the reason it cannot."""
+        if strategy.schedule not in self.schedules:
+            return f"the runtime has no {strategy.schedule} schedule"
+        if strategy.zero not in self.zero_stages:
+            return f"the runtime has no ZeRO stage {strategy.zero}"
+        if strategy.recompute not in self.recompute:
+            return f"the runtime has no {strategy.recompute} recompute"
+        if strategy.sp and not self.sequence_parallel:
+            return "the runtime has no sequence parallelism"
+        if strategy.vp > self.max_vp:
+            return f"the runtime runs at most {self.max_vp} virtual stages per rank"
+        return None
+
+
+RUNTIME_CAPABILITIES = Capabilities()

@@ -1,0 +1,65 @@
+"""Turn a searched candidate into the plan file the runtime executes (autopar.plan.Plan)."""
+
+from __future__ import annotations
+
+from autopar.cluster import ClusterSpec
+from autopar.graph.ir import OpGraph
+from autopar.plan import MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
+from cost_models.facts import ModelFacts
+from searcher.search import Candidate
+
+
+def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster: ClusterSpec) -> Plan:
+    s = candidate.strategy
+    evaluation = candidate.evaluation
+    module_of = {node.name: node.module_path for node in graph.nodes}
+    stage_size = s.dp * s.tp
+    stages = []
+    for index, units in enumerate(candidate.stages):
+        rank = index % s.pp
+        paths: list[str] = []
+        for unit in units:
+            if unit.layer_type is not None:
+                paths.append(unit.name)
+            else:
+                paths.extend(_top_modules(module_of.get(op.name, "") for op in unit.forward_ops))
+        stages.append(StagePlan(
+            index=index, module_paths=list(dict.fromkeys(paths)),
+            device_ids=list(range(rank * stage_size, (rank + 1) * stage_size)), mesh_shape={"dp": s.dp, "tp": s.tp},
+        ))
+    dp_part = "S(0)" if s.zero >= 3 and s.dp > 1 else "R"
+    param_placements = {}
+    for param in graph.params:
+        tp_part = candidate.param_placements.get(param.name)
+        if tp_part is None:
+            dim = facts.param_tp_dims.get(param.name)
+            tp_part = f"S({dim})" if dim is not None and s.tp > 1 else "R"
+        param_placements[param.name] = dp_part + tp_part
+    recompute = [u.name for units in candidate.stages for u in units
+                 if u.layer_type is not None and s.recompute != "none"]
+    return Plan(
+        mesh=[MeshAxis(name="pp", size=s.pp), MeshAxis(name="dp", size=s.dp), MeshAxis(name="tp", size=s.tp)],
+        strategy=s,
+        stages=stages,
+        param_placements=param_placements,
+        op_placements=dict(candidate.op_placements),
+        recompute_modules=recompute,
+        predicted=PredictedMetrics(
+            step_time_s=evaluation.step_time_s, tokens_per_s=evaluation.tokens_per_s,
+            tflops_per_gpu=evaluation.tflops_per_gpu, mfu=min(evaluation.mfu, 1.0),
+            peak_memory_bytes=[int(m.total_bytes) for m in evaluation.memory],
+            breakdown={k: max(v, 0.0) for k, v in evaluation.breakdown.items()},
+        ),
+        provenance=Provenance(model_name=graph.model_name, model_fingerprint=graph.model_fingerprint,
+                              cluster_name=cluster.name, world_size=cluster.world_size),
+    )
+
+
+def _top_modules(paths) -> list[str]:
+    """The outermost module paths among `paths` (ops at the top level have no module and are skipped)."""
+    unique = sorted({p for p in paths if p})
+    kept: list[str] = []
+    for path in unique:
+        if not any(path == k or path.startswith(k + ".") for k in kept):
+            kept.append(path)
+    return kept
