@@ -1,0 +1,117 @@
+"""The searcher: optimality against exhaustive enumeration, determinism, fixed keys, infeasibility,
+the plan file it writes, and golden plans."""
+
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.errors import AutoparError
+from autopar.graph import trace
+from autopar.models import build_model
+from autopar.plan import Plan
+from cost_models.evaluate import evaluate
+from cost_models.facts import model_facts
+from cost_models.strategy import check_strategy
+from cost_models.whatif import completions
+from searcher.plan_builder import build_plan
+from searcher.search import search
+
+CONFIG = "layers=8,hidden=512,heads=8,vocab=4096,seq_len=256"
+
+
+@pytest.fixture(scope="module")
+def small():
+    spec = build_model("gpt", CONFIG)
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16", name="gpt-small")
+    return graph, model_facts(graph, heads=8, vocab=4096)
+
+
+def exhaustive_best(graph, facts, cluster, global_batch, fixed=None):
+    best = None
+    for strategy in completions(fixed or {}, cluster.world_size, global_batch):
+        try:
+            check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=8, heads=8)
+        except AutoparError:
+            continue
+        result = evaluate(facts, cluster, strategy, global_batch)
+        if result.fits and (best is None or result.step_time_s < best.step_time_s):
+            best = result
+    return best
+
+
+@pytest.mark.parametrize("gpus, batch", [(4, 16), (8, 32)])
+def test_within_one_percent_of_exhaustive_enumeration(small, gpus, batch):
+    graph, facts = small
+    cluster = load_cluster("dgx-h100", gpus=gpus)
+    found = search(graph, facts, cluster, batch, use_ilp=False)
+    reference = exhaustive_best(graph, facts, cluster, batch)
+    assert found.best is not None
+    assert found.best.evaluation.step_time_s <= reference.step_time_s * 1.01
+
+
+def test_deterministic(small):
+    graph, facts = small
+    cluster = load_cluster("dgx-h100", gpus=8)
+    first = search(graph, facts, cluster, 32, use_ilp=False)
+    second = search(graph, facts, cluster, 32, use_ilp=False)
+    assert first.best.strategy == second.best.strategy
+    assert build_plan(first.best, graph, facts, cluster).model_dump(exclude={"provenance"}) == \
+        build_plan(second.best, graph, facts, cluster).model_dump(exclude={"provenance"})
+
+
+def test_fixed_keys_are_honored(small):
+    graph, facts = small
+    cluster = load_cluster("dgx-h100", gpus=8)
+    result = search(graph, facts, cluster, 32, fixed={"pp": 2, "recompute": "full", "zero": 1}, use_ilp=False)
+    for candidate in result.ranked:
+        s = candidate.strategy
+        assert (s.pp, s.recompute, s.zero) == (2, "full", 1)
+
+
+def test_no_plan_fits_is_reported_not_raised():
+    spec = build_model("gpt3-13b")
+    graph = trace(spec.module, spec.example_inputs(1, 256), loss_fn=spec.loss_fn, precision="bf16")
+    facts = model_facts(graph, heads=40)
+    cluster = load_cluster("dgx-a100-40gb", gpus=1)
+    result = search(graph, facts, cluster, 8, use_ilp=False)
+    assert result.best is None
+    assert not result.ranked[0].evaluation.fits
+
+
+def test_plan_file_describes_the_searched_plan(small, tmp_path):
+    graph, facts = small
+    cluster = load_cluster("dgx-h100", gpus=8)
+    result = search(graph, facts, cluster, 32, fixed={"tp": 2, "pp": 2}, use_ilp=False)
+    plan = build_plan(result.best, graph, facts, cluster)
+    again = Plan.model_validate_json(plan.model_dump_json())
+    assert again == plan
+    assert [axis.size for axis in plan.mesh] == [2, 2, 2]
+    covered = [path for stage in plan.stages for path in stage.module_paths]
+    assert [p for p in covered if p.startswith("layers.")] == [f"layers.{i}" for i in range(8)]
+    assert plan.stages[0].device_ids == [0, 1, 2, 3] and plan.stages[1].device_ids == [4, 5, 6, 7]
+    # Megatron-style shards: q_proj column parallel (dim 0 of [out, in]), out_proj row parallel (dim 1).
+    assert plan.param_placements["layers.0.attn.q_proj.weight"].endswith("S(0)")
+    assert plan.param_placements["layers.0.attn.out_proj.weight"].endswith("S(1)")
+    assert plan.param_placements["layers.0.ln1.weight"].endswith("R")
+    assert plan.predicted.step_time_s == pytest.approx(result.best.evaluation.step_time_s)
+
+
+def test_why_not_rows_explain_the_obvious_alternatives(small):
+    graph, facts = small
+    cluster = load_cluster("dgx-h100", gpus=8)
+    result = search(graph, facts, cluster, 32, use_ilp=False)
+    labels = {row.label for row in result.why_not}
+    assert "pure data parallel" in labels or result.best.strategy.tp == 1
+    assert all(row.reason for row in result.why_not)
+
+
+@pytest.mark.slow
+def test_golden_gpt3_175b_on_1024_a100():
+    """A golden plan: if the cost model or the search changes this, look at why before updating."""
+    spec = build_model("gpt3-175b")
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16")
+    facts = model_facts(graph, heads=96, vocab=50257)
+    cluster = load_cluster("dgx-a100-80gb", gpus=1024)
+    result = search(graph, facts, cluster, 1536, use_ilp=False)
+    s = result.best.strategy
+    assert (s.dp, s.tp, s.pp) == (128, 2, 4)
+    assert result.best.evaluation.step_time_s == pytest.approx(15.21, rel=0.02)
