@@ -78,13 +78,12 @@ def evaluate(
     stages_units = stages if stages is not None else partition(facts, s.pp * s.vp)
     if len(stages_units) != s.pp * s.vp:
         raise ValueError(f"{len(stages_units)} stages given for pp×vp = {s.pp * s.vp}")
-    times: dict[tuple[str, str], UnitTime] = {}
 
     def timed(unit: Unit) -> UnitTime:
-        key = (unit.layer_type or unit.name, unit.name if unit.layer_type is None else "")
-        if key not in times:
-            times[key] = unit_time(unit, gpu, dtype, batch=b, tp=s.tp, sp=s.sp, efficiency=efficiency)
-        return times[key]
+        key = ("time", gpu.name, dtype, b, s.tp, s.sp, efficiency)
+        if key not in unit.memo:
+            unit.memo[key] = unit_time(unit, gpu, dtype, batch=b, tp=s.tp, sp=s.sp, efficiency=efficiency)
+        return unit.memo[key]
 
     tp_layout = group_layout(s.tp, 1, cluster.gpus_per_node)
     dp_layout = group_layout(s.dp, s.tp, cluster.gpus_per_node)
@@ -183,7 +182,7 @@ def evaluate(
     fits = all(m.total_bytes <= capacity for m in memory)
 
     tokens = global_batch * facts.seq_len
-    model_flops = sum(op.flops for unit in facts.units for op in unit.ops) * global_batch  # no recompute
+    model_flops = facts.flops_per_sample * global_batch  # no recompute
     world = s.dp * s.tp * s.pp
     tflops_per_gpu = model_flops / step_time / world / 1e12
     critical_stages = [i for i, c in enumerate(stage_costs) if c.rank == critical]
@@ -236,6 +235,13 @@ def partition(facts: ModelFacts, stages: int) -> list[list[Unit]]:
 
 def unit_activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str) -> float:
     """Bytes a unit keeps from forward to backward for one micro-batch on one tp rank."""
+    key = ("activations", batch, tp, sp, recompute)
+    if key not in unit.memo:
+        unit.memo[key] = _activation_bytes(unit, batch, tp, sp, recompute)
+    return unit.memo[key]
+
+
+def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str) -> float:
     if recompute == "full":
         return unit.input_bytes * batch / (tp if sp else 1)
     total = 0.0

@@ -55,6 +55,8 @@ class Unit:
     params: int  # parameters owned (tied ones counted where first read)
     sharded_params: int  # of which tp shards
     input_bytes: float  # per sample: the activation entering the unit (what a pipeline send moves)
+    # Memo of derived costs (keyed by their arguments): a search costs each unit thousands of times.
+    memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @cached_property
     def forward_ops(self) -> tuple[OpFacts, ...]:
@@ -81,6 +83,11 @@ class ModelFacts:
     @property
     def layer_units(self) -> list[int]:
         return [i for i, unit in enumerate(self.units) if unit.layer_type is not None]
+
+    @cached_property
+    def flops_per_sample(self) -> float:
+        """Model FLOPs of one sample's forward and backward (recompute not counted)."""
+        return sum(op.flops for unit in self.units for op in unit.ops)
 
     @property
     def param_bytes_per_element(self) -> int:

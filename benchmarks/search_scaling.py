@@ -1,0 +1,61 @@
+"""Search time on the 2-core CPU machine: model × cluster → seconds, ILP size, chosen plan.
+
+Goals (issue #5): gpt3-175b on 1,024 A100-80GB ≤ 30 s; llama3-70b on 512 H100 ≤ 30 s; a 1T GPT on
+3,072 A100 ≤ 60 s; gpt2-124m on 8 GPUs ≤ 5 s. Capture time is printed separately (search only
+counts the search).
+
+    python benchmarks/search_scaling.py [--no-ilp] [--only gpt2-124m,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+from autopar.cluster import load_cluster
+from autopar.graph import trace
+from autopar.models import build_model
+from cost_models.facts import model_facts
+from searcher.search import search
+
+CASES = [
+    # (label, model, overrides, cluster, gpus, global batch, seq)
+    ("gpt2-124m", "gpt2-124m", None, "dgx-h100", 8, 64, 1024),
+    ("gpt3-175b", "gpt3-175b", None, "dgx-a100-80gb", 1024, 1536, 2048),
+    ("llama3-70b", "llama3-70b", None, "dgx-h100", 512, 1024, 4096),
+    ("gpt-1t", "gpt", "layers=128,hidden=25600,heads=160,vocab=51200,seq_len=2048", "dgx-a100-80gb", 3072, 3072, 2048),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-ilp", action="store_true")
+    parser.add_argument("--only", default="")
+    args = parser.parse_args()
+    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs; ILP {'off' if args.no_ilp else 'on'}")
+    print(f"{'model':<11} {'cluster':<22} {'capture s':>9} {'search s':>8} {'ILP vars':>8}  chosen plan")
+    for label, model, overrides, cluster_name, gpus, batch, seq in CASES:
+        if args.only and label not in args.only.split(","):
+            continue
+        spec = build_model(model, overrides)
+        started = time.perf_counter()
+        graph = trace(spec.module, spec.example_inputs(1, seq), loss_fn=spec.loss_fn, precision="bf16", name=label)
+        captured = time.perf_counter() - started
+        config = spec.config
+        facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab)
+        cluster = load_cluster(cluster_name, gpus=gpus)
+        result = search(graph, facts, cluster, batch, use_ilp=not args.no_ilp)
+        chosen = result.best or result.ranked[0]
+        s = chosen.strategy
+        plan = (f"dp={s.dp} tp={s.tp} pp={s.pp} mb={s.microbatch} {s.schedule}"
+                + (f" v={s.vp}" if s.vp > 1 else "") + f" zero={s.zero} rc={s.recompute} sp={s.sp}: "
+                f"{chosen.evaluation.step_time_s:.2f} s/step, MFU {chosen.evaluation.mfu:.1%}"
+                + ("" if chosen.evaluation.fits else " (does not fit)"))
+        print(f"{label:<11} {f'{gpus} × {cluster.gpu.name}':<22} {captured:>9.1f} {result.search_s:>8.1f} "
+              f"{result.ilp_variables:>8}  {plan}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
