@@ -158,7 +158,18 @@ class _Refiner:
         return units, op_placements, param_placements
 
     def refine(self, strategy: Strategy) -> Candidate:
+        """The better of Megatron-style tensor parallelism (graph propagation, with the strategy's
+        sequence parallelism) and the intra-op ILP's sharding, each on its best stage partition."""
+        candidates = [self._refine_with(strategy, list(self.facts.units), {}, {})]
         units, op_placements, param_placements = self.units_for(strategy)
+        if op_placements:
+            # The ILP places every op itself (sequence sharding included), so the blanket
+            # sequence-parallel discount of the propagation model must not apply on top.
+            candidates.append(self._refine_with(strategy.model_copy(update={"sp": False}), units, op_placements,
+                                                param_placements))
+        return min(candidates, key=lambda c: _rank_key(c.evaluation))
+
+    def _refine_with(self, strategy: Strategy, units, op_placements, param_placements) -> Candidate:
         facts = dataclasses.replace(self.facts, units=tuple(units))
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
         even = evaluate(facts, self.cluster, strategy, self.global_batch, efficiency=self.efficiency,
