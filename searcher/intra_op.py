@@ -67,7 +67,7 @@ _US = 1e6  # the solver works in µs
 class LayerSharding:
     ops: tuple[OpFacts, ...]  # unit.ops in the same order, rewritten for the chosen plan
     unit: Unit  # the unit with those ops and its sharded parameter count
-    op_placements: dict[str, str]  # node → placement of its output(s), views included
+    op_placements: dict[str, str]  # node → placement of its (first) output over tp, views included
     op_strategies: dict[str, str]  # non-view node → "strategy[inputs->outputs]"
     param_placements: dict[str, str]
     boundary_placements: dict[str, str]  # stream shape → placement (layer units)
@@ -446,7 +446,7 @@ def _result(problem: UnitProblem, choice: list[int], status: str, size: tuple[in
             strategy = problem.strategies[op.name][choice[problem.index[op.name]]]
             changes["tp_sharded"] = strategy.divided
             changes["saved_sharded"] = bool(strategy.outputs) and shard_dim(strategy.outputs[0]) is not None
-            op_placements[op.name] = ",".join(strategy.outputs)
+            op_placements[op.name] = strategy.outputs[0] if strategy.outputs else R
             op_strategies[op.name] = strategy.describe()
         ops.append(dataclasses.replace(op, **changes))
     chosen = {d.key: d.labels[c] for d, c in zip(problem.decisions, choice)}

@@ -1,8 +1,8 @@
 """Sharding strategies of single ATen ops over a 1-D tensor-parallel axis, in DTensor's terms.
 
 A tensor's placement over the `tp` ranks is `R` (every rank holds all of it), `S(d)` (rank i holds
-the i-th of `tp` blocks along dim d; see `shardable`) or `P`
-(every rank holds a full-size partial sum). A strategy of an op names the placement it needs for
+the i-th of `tp` blocks along dim d; see `shardable`) or `P` (every rank holds a full-size partial
+sum; R becomes P for free, as in DTensor). A strategy of an op names the placement it needs for
 each tensor input (None: any, nothing is read), the placement of each output, and whether the
 op's work divides over tp. The candidate sets follow DTensor's op strategies
 (torch.distributed.tensor._ops), restated for the shapes the op graph records:
@@ -336,8 +336,8 @@ def view_dim_map(kind: str, shape: tuple[int, ...], out: tuple[int, ...], tp: in
     identity = list(range(len(shape)))
     if kind == "t":
         return [1, 0] if len(shape) == 2 else identity
-    if kind in _PERMUTING_VIEWS or (len(shape) == len(out) and shape != out and sorted(shape) == sorted(out)):
-        return _permutation(shape, out, kind)
+    if kind in _PERMUTING_VIEWS:
+        return _permutation(shape, out)
     if shape == out:
         return identity
     if math.prod(shape) == math.prod(out):
@@ -355,20 +355,15 @@ def view_dim_map(kind: str, shape: tuple[int, ...], out: tuple[int, ...], tp: in
     return result
 
 
-def _permutation(shape, out, kind) -> list[int | None]:
-    """Infer a permutation from shapes; dims whose size repeats are ambiguous and map to None."""
-    if kind == "transpose" or (len(shape) == len(out) and sum(a != b for a, b in zip(shape, out)) == 2):
-        diff = [d for d in range(len(shape)) if shape[d] != out[d]]
-        if len(diff) == 2 and shape[diff[0]] == out[diff[1]] and shape[diff[1]] == out[diff[0]]:
-            result = list(range(len(shape)))
-            result[diff[0]], result[diff[1]] = diff[1], diff[0]
-            return result
-    result = []
-    for d, size in enumerate(shape):
-        where = [o for o, s in enumerate(out) if s == size]
-        unique = shape.count(size) == 1 and len(where) == 1
-        result.append(where[0] if unique else (d if shape == out and kind not in _PERMUTING_VIEWS else None))
-    return result
+def _permutation(shape, out) -> list[int | None]:
+    """A permutation read off the shapes: a swap of two dims of different sizes, else each dim whose
+    size is unique on both sides; dims of repeated sizes are ambiguous and map to None."""
+    diff = [d for d in range(len(shape)) if shape[d] != out[d]] if len(shape) == len(out) else []
+    if len(diff) == 2 and shape[diff[0]] == out[diff[1]] and shape[diff[1]] == out[diff[0]]:
+        result = list(range(len(shape)))
+        result[diff[0]], result[diff[1]] = diff[1], diff[0]
+        return result
+    return [out.index(size) if shape.count(size) == 1 and out.count(size) == 1 else None for size in shape]
 
 
 def _regroup(shape, out, tp) -> list[int | None]:

@@ -42,7 +42,7 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
         strategy=s,
         stages=stages,
         param_placements=param_placements,
-        op_placements=dict(candidate.op_placements),
+        op_placements=_op_placements(candidate.op_placements, s.dp),
         recompute_modules=recompute,
         predicted=PredictedMetrics(
             step_time_s=evaluation.step_time_s, tokens_per_s=evaluation.tokens_per_s,
@@ -63,3 +63,10 @@ def _top_modules(paths) -> list[str]:
         if not any(path == k or path.startswith(k + ".") for k in kept):
             kept.append(path)
     return kept
+
+
+def _op_placements(tp_placements: dict[str, str], dp: int) -> dict[str, str]:
+    """The ILP places each op's outputs over the tp axis ("S(0)", or "R,R,R" for several outputs);
+    the plan gives the primary output over the stage mesh (dp, tp): data parallel splits the batch."""
+    dp_part = "S(0)" if dp > 1 else "R"
+    return {name: dp_part + placement.split(",")[0] for name, placement in tp_placements.items()}

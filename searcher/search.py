@@ -105,7 +105,7 @@ def search(
                            + (f": e.g. {next(iter(rejected))}" if rejected else ""))
     quick.sort(key=_rank_key)
 
-    refiner = _Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp)
+    refiner = _Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed)
     ranked = [refiner.refine(e.strategy) for e in quick[:REFINE_TOP]]
     ranked.sort(key=lambda c: _rank_key(c.evaluation))
     best = ranked[0] if ranked[0].evaluation.fits else None
@@ -127,8 +127,9 @@ def _rank_key(evaluation: Evaluation) -> tuple:
 class _Refiner:
     """Intra-op ILP per distinct unit (cached: layer instances share one solve) and the inter-op DP."""
 
-    def __init__(self, graph, facts, cluster, global_batch, efficiency, use_ilp) -> None:
+    def __init__(self, graph, facts, cluster, global_batch, efficiency, use_ilp, fixed) -> None:
         self.graph, self.facts, self.cluster = graph, facts, cluster
+        self.fixed = fixed
         self.global_batch, self.efficiency = global_batch, efficiency
         self.use_ilp = use_ilp
         self.cache: dict[tuple, Any] = {}
@@ -161,6 +162,8 @@ class _Refiner:
         """The better of Megatron-style tensor parallelism (graph propagation, with the strategy's
         sequence parallelism) and the intra-op ILP's sharding, each on its best stage partition."""
         candidates = [self._refine_with(strategy, list(self.facts.units), {}, {})]
+        if strategy.sp and self.fixed.get("sp"):  # the user asked for Megatron sequence parallelism
+            return candidates[0]
         units, op_placements, param_placements = self.units_for(strategy)
         if op_placements:
             # The ILP places every op itself (sequence sharding included), so the blanket

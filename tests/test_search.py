@@ -115,3 +115,15 @@ def test_golden_gpt3_175b_on_1024_a100():
     s = result.best.strategy
     assert (s.dp, s.tp, s.pp) == (128, 2, 4)
     assert result.best.evaluation.step_time_s == pytest.approx(15.21, rel=0.02)
+
+
+def test_ilp_never_loses_to_the_propagation_and_its_plan_is_valid(small):
+    graph, facts = small
+    cluster = load_cluster("dgx-h100", gpus=8)
+    plain = search(graph, facts, cluster, 32, fixed={"tp": 4, "pp": 1}, use_ilp=False)
+    with_ilp = search(graph, facts, cluster, 32, fixed={"tp": 4, "pp": 1}, use_ilp=True)
+    assert with_ilp.ilp_variables > 0
+    assert with_ilp.best.evaluation.step_time_s <= plain.best.evaluation.step_time_s * (1 + 1e-9)
+    for candidate in with_ilp.ranked:
+        plan = build_plan(candidate, graph, facts, cluster)
+        assert all(len(text) >= 2 for text in plan.op_placements.values())
