@@ -156,10 +156,16 @@ def _plan(args: argparse.Namespace) -> int:
             atomic_write_text(args.json, json.dumps(summary, indent=2))
         print(render(summary))
     if result.best is None:
+        from cost_models.memory import state_bytes_per_param
+
+        per = state_bytes_per_param(facts.precision)
+        states = facts.num_params * (per.weight + per.gradient + per.optimizer)
+        needed = -(-int(states) // int(summary["capacity_bytes"]))
         print(f"autopar: no plan fits in {summary['capacity_bytes'] / 2**30:.1f} GiB per GPU "
-              f"(the closest needs {summary['predicted']['peak_memory_bytes'] / 2**30:.1f} GiB): "
-              f"add GPUs, allow recompute=full or a higher zero stage, or lower the micro-batch"
-              + (" (fixed keys may be the cause)" if fixed else ""), file=sys.stderr)
+              f"(the closest needs {summary['predicted']['peak_memory_bytes'] / 2**30:.1f} GiB); the model states "
+              f"alone need ≥ {needed} such GPUs fully sharded: add GPUs, allow recompute=full or a higher zero "
+              f"stage, or lower the micro-batch" + (" (fixed keys may be the cause)" if fixed else ""),
+              file=sys.stderr)
         return 3
     return 0
 
