@@ -15,12 +15,9 @@ import json
 import platform
 from pathlib import Path
 
-from autopar.cluster import load_cluster
-from autopar.graph import trace
-from autopar.models import build_model
-from cost_models.facts import model_facts
 from cost_models.whatif import what_if
 from searcher.search import search
+from validate_published import published_setup  # the same graph and fixed keys as the validation
 
 RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json"
 
@@ -38,13 +35,7 @@ def main() -> None:
     print(f"{'run':<26} {'expert (tp,pp,dp)':<18} {'expert s':>8} {'searched':<36} {'searched s':>10} {'ratio':>6}")
     worst = 0.0
     for run in runs:
-        spec = build_model("gpt", {"layers": run["layers"], "hidden": run["hidden"], "heads": run["heads"],
-                                   "vocab": 51200, "seq_len": run["seq_len"], "dropout": 0.1})
-        graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="fp16", name=run["id"],
-                      attention="math")
-        facts = model_facts(graph, heads=run["heads"], vocab=51200)
-        cluster = load_cluster("dgx-a100-80gb", gpus=run["n_gpus"])
-        fixed = {"dp": run["dp"], "tp": run["tp"], "pp": run["pp"], "zero": 0, "recompute": "full", "sp": False}
+        graph, facts, cluster, fixed = published_setup(run)
         expert = what_if(facts, cluster, fixed, run["global_batch"], layers=run["layers"])
         expert_best = expert.best or expert.ranked[0]
         found = search(graph, facts, cluster, run["global_batch"], layers=run["layers"], use_ilp=not args.no_ilp)

@@ -33,9 +33,10 @@ def measured_step_time_s(run: dict) -> float:
     return flops / (run["measured_tflops_per_gpu"] * 1e12 * run["n_gpus"])
 
 
-def predict(run: dict) -> tuple[float, dict]:
-    # As Megatron-LM ran in 2021: dropout 0.1 on attention and hidden states, and attention with
-    # materialized scores (a fused softmax, no flash attention, which appeared in 2022).
+def published_setup(run: dict):
+    """(graph, facts, cluster, fixed strategy keys) of a published run, as Megatron-LM ran it in
+    2021: dropout 0.1 on attention and hidden states, and attention with materialized scores (a
+    fused softmax, no flash attention, which appeared in 2022)."""
     spec = build_model("gpt", {"layers": run["layers"], "hidden": run["hidden"], "heads": run["heads"],
                                "vocab": VOCAB, "seq_len": run["seq_len"], "dropout": 0.1})
     graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="fp16", name=run["id"],
@@ -44,6 +45,11 @@ def predict(run: dict) -> tuple[float, dict]:
     cluster = load_cluster("dgx-a100-80gb", gpus=run["n_gpus"])
     fixed = {"dp": run["dp"], "tp": run["tp"], "pp": run["pp"], "zero": run["zero_stage"], "recompute": "full",
              "sp": False}
+    return graph, facts, cluster, fixed
+
+
+def predict(run: dict) -> tuple[float, dict]:
+    _, facts, cluster, fixed = published_setup(run)
     if run.get("micro_batch"):
         fixed["microbatch"] = run["micro_batch"]
     result = what_if(facts, cluster, fixed, run["global_batch"], layers=run["layers"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
@@ -64,21 +64,30 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
                     continue
 
 
-def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int,
-            *, layers: int, top_k: int = 5, efficiency: Efficiency | None = None) -> WhatIf:
-    efficiency = efficiency or DEFAULT_EFFICIENCY
+def quick_evaluations(
+    facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *, layers: int,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY, supports: Callable[[Strategy], str | None] | None = None,
+) -> tuple[list[Evaluation], int, dict[str, int]]:
+    """Every valid completion of `fixed`, costed with the closed-form pipeline estimate.
+
+    `supports(strategy)` may veto a completion with a reason (the runtime's capability table).
+    Returns (evaluations, completions tried, rejection reason → count); raises when none is valid.
+    """
     _check_fixed_degrees(fixed, cluster.world_size)
     rejected: dict[str, int] = {}
     quick: list[Evaluation] = []
     count = 0
     for strategy in completions(fixed, cluster.world_size, global_batch):
         count += 1
-        try:
-            check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
-                           heads=facts.heads, kv_heads=facts.kv_heads)
-        except AutoparError as error:
-            rule = str(error)
-            rejected[rule] = rejected.get(rule, 0) + 1
+        reason = supports(strategy) if supports is not None else None
+        if reason is None:
+            try:
+                check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
+                               heads=facts.heads, kv_heads=facts.kv_heads)
+            except AutoparError as error:
+                reason = str(error)
+        if reason is not None:
+            rejected[reason] = rejected.get(reason, 0) + 1
             continue
         quick.append(evaluate(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency))
     if not quick:
@@ -88,6 +97,14 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
             "no valid strategy completes --strategy for this model and cluster"
             + (f": e.g. {next(iter(rejected))}" if rejected else "")
         )
+    return quick, count, rejected
+
+
+def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int,
+            *, layers: int, top_k: int = 5, efficiency: Efficiency | None = None) -> WhatIf:
+    efficiency = efficiency or DEFAULT_EFFICIENCY
+    quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
+                                               efficiency=efficiency)
     quick.sort(key=lambda e: (not e.fits, e.step_time_s))
     ranked = [evaluate(facts, cluster, e.strategy, global_batch, exact=True, efficiency=efficiency)
               for e in quick[:top_k]]

@@ -28,7 +28,7 @@ from cost_models.evaluate import Evaluation, evaluate, partition as even_partiti
 from cost_models.facts import ModelFacts, Unit
 from cost_models.memory import state_bytes_per_param, usable_bytes
 from cost_models.strategy import check_strategy
-from cost_models.whatif import _check_fixed_degrees, completions
+from cost_models.whatif import quick_evaluations
 from searcher.inter_op import UnitCost, partition as dp_partition
 
 REFINE_TOP = 12
@@ -81,28 +81,8 @@ def search(
     started = time.perf_counter()
     fixed = dict(fixed or {})
     layers = layers if layers is not None else max(len(facts.layer_units), 1)
-    _check_fixed_degrees(fixed, cluster.world_size)
-    rejected: dict[str, int] = {}
-    quick: list[Evaluation] = []
-    count = 0
-    for strategy in completions(fixed, cluster.world_size, global_batch):
-        count += 1
-        reason = capabilities.supports(strategy)
-        if reason is None:
-            try:
-                check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
-                               heads=facts.heads, kv_heads=facts.kv_heads)
-            except AutoparError as error:
-                reason = str(error)
-        if reason is not None:
-            rejected[reason] = rejected.get(reason, 0) + 1
-            continue
-        quick.append(evaluate(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency))
-    if not quick:
-        if count == 1 and rejected:
-            raise AutoparError(next(iter(rejected)))
-        raise AutoparError("no valid strategy completes --strategy for this model and cluster"
-                           + (f": e.g. {next(iter(rejected))}" if rejected else ""))
+    quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
+                                               efficiency=efficiency, supports=capabilities.supports)
     quick.sort(key=_rank_key)
 
     refiner = _Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed)
