@@ -91,7 +91,7 @@ class _Decision:
 
 @dataclass
 class _Edge:
-    tensor: tuple  # what is resharded: (root node, output index, last view read)
+    tensor: tuple  # what is resharded: (root node, output index, reader if ambiguous, last view read)
     src: int
     src_place: list[str]  # per src choice: the tensor's placement where it is read
     dst: int  # -1: a fixed requirement dst_need[0]
@@ -127,7 +127,8 @@ class UnitProblem:
             if not node.is_view:
                 self._op(op, node, dtype, efficiency)
         self.gradients = gradient_tensors(nodes, self.consumers, self.params)
-        self.fixed = {trace_views(node.name, meta, self.by_name, self.in_unit)[0] for node, meta in self.gradients.values()}
+        self.fixed = {trace_views(node.name, node.output_meta[k], self.by_name, self.in_unit, k)[0]
+                      for node, k in self.gradients.values()}
         self.boundary = self._boundary(nodes) if unit.layer_type is not None else {}
         for node in nodes:
             if not node.is_view:
@@ -135,15 +136,15 @@ class UnitProblem:
                     need = [s.inputs[k] for s in self.strategies[node.name]]
                     self._connect(name, meta, need, self.index[node.name], node.name)
             for meta in self._leaving(node):
-                if any(g is node and m == meta for g, m in self.gradients.values()):
+                if any(g is node and g.output_meta[k] == meta for g, k in self.gradients.values()):
                     continue  # a gradient leaves in its parameter's placement (edge below)
                 target = self.boundary.get(meta.shape, -1)
                 need = self.decisions[target].labels if target >= 0 else [R]
                 self._connect(node.name, meta, need, target, node.name)
-        for pname, (node, meta) in self.gradients.items():
+        for pname, (node, k) in self.gradients.items():
             if f"param:{pname}" in self.index:
                 target = self.index[f"param:{pname}"]
-                self._connect(node.name, meta, self.decisions[target].labels, target, node.name)
+                self._connect(node.name, node.output_meta[k], self.decisions[target].labels, target, node.name, k)
         for d in self.decisions:
             for choice, views in enumerate(d.breaks):
                 d.unary[choice] += sum(self.time("all_gather", b) for b in views.values())
@@ -196,9 +197,9 @@ class UnitProblem:
         return list(dict.fromkeys(m for c in outside for n, m in zip(input_names(c), c.input_meta) if n == node.name))
 
     # --- edges -----------------------------------------------------------------------------------
-    def _source(self, name: str, meta: TensorMeta):
+    def _source(self, name: str, meta: TensorMeta, index: int | None = None):
         """(decision or None for a replicated external, its output index, views, bytes scale, root)."""
-        root, chain = trace_views(name, meta, self.by_name, self.in_unit)
+        root, chain = trace_views(name, meta, self.by_name, self.in_unit, index)
         if root[0].startswith("param:") and root[0][6:] in self.params:
             return self._param(root[0][6:]), 0, chain, 1.0, root
         scale = 1.0 if root in self.fixed else self.scale
@@ -207,14 +208,19 @@ class UnitProblem:
         entering = chain[0][1] if chain else meta
         return self.boundary.get(entering.shape), 0, chain, scale, root
 
-    def _connect(self, name: str, meta: TensorMeta, need: list[str | None], dst: int, attach: str) -> None:
-        src, index, chain, scale, root = self._source(name, meta)
+    def _connect(self, name: str, meta: TensorMeta, need: list[str | None], dst: int, attach: str,
+                 index: int | None = None) -> None:
+        src, index, chain, scale, root = self._source(name, meta, index)
         if src is None or src == dst:
             return
         d = self.decisions[src]
         seen = [through_views(out[index] if index < len(out) else R, chain, self.tp, scale, d.breaks[c])
                 for c, out in enumerate(d.outputs)]
-        tensor = (*root, chain[-1][0].name if chain else None)
+        outputs = self.by_name[root[0]].output_meta if root[0] in self.by_name else []
+        shape = chain[0][1].shape if chain else meta.shape
+        ambiguous = sum(m.shape == shape for m in outputs) > 1  # which output is read is unknown:
+        reader = (chain[0][0].name if chain else attach) if ambiguous else None  # don't share across readers
+        tensor = (*root, reader, chain[-1][0].name if chain else None)
         self.edges.append(_Edge(tensor, src, seen, dst, need, meta.bytes * scale, attach))
 
     def placement_of(self, name: str, meta: TensorMeta, choice: list[int]) -> str:
@@ -246,10 +252,10 @@ class UnitProblem:
     def conversion(self, edge: _Edge, have: str, need: str | None) -> tuple:
         """What a conversion is keyed by, so each is paid once however many consumers need it:
         the tensor (to R or P: whichever view reads it) or the view read (to a shard)."""
-        root, index, view = edge.tensor
+        root, index, reader, view = edge.tensor
         if need in (R, P):
-            return root, index, edge.nbytes, "S" if shard_dim(have) is not None else have, need
-        return root, index, edge.nbytes, view, have, need
+            return root, index, reader, edge.nbytes, "S" if shard_dim(have) is not None else have, need
+        return root, index, reader, edge.nbytes, view, have, need
 
     def moves(self, choice: list[int]) -> list[tuple[str, str, float]]:
         """(op charged, collective, bytes) of an assignment, each conversion once."""
@@ -272,7 +278,7 @@ class UnitProblem:
 
 
 class _Ilp:
-    """The MIP over a `UnitProblem`: binary x per decision choice; continuous y, z, w per edge."""
+    """The MIP over a `UnitProblem`: binary x per choice; continuous y per edge pair, w per shared conversion."""
 
     def __init__(self, problem: UnitProblem, memory_budget_bytes: float | None, solver_name: str = "HIGHS") -> None:
         from ortools.linear_solver import pywraplp
@@ -375,8 +381,8 @@ class _Ilp:
             paid = self.solver.NumVar(0, 1, "")  # ≥ every reader's indicator: paid once if any
             self.terms[paid] = cost
             for items, extra in indicators:
-                self._row([(v, c, -sign) for v, c, sign in items], [(paid, 1.0)] + [(var, -sign) for var, sign in extra],
-                          0.0, self.solver.infinity())
+                row_vars = [(paid, 1.0)] + [(var, -sign) for var, sign in extra]
+                self._row([(v, c, -sign) for v, c, sign in items], row_vars, 0.0, self.solver.infinity())
 
     def _memory_budget(self, budget: float) -> None:
         items = [(v, [c], nbytes / 2**20) for v, d in enumerate(self.problem.decisions)
@@ -419,7 +425,7 @@ def solve_unit(unit: Unit, graph: OpGraph, *, tp: int, batch: int, cluster: Clus
     return _result(problem, choice, status, size, time.perf_counter() - started)
 
 
-def _result(problem: UnitProblem, choice: list[int], status: str, size: tuple[int, int], solve_s: float) -> LayerSharding:
+def _result(problem: UnitProblem, choice: list[int], status: str, size: tuple, solve_s: float) -> LayerSharding:
     """The chosen plan as OpFacts the cost models read, and as placements."""
     charges: dict[str, list[tuple[str, float]]] = {}
     for d, c in zip(problem.decisions, choice):

@@ -402,7 +402,7 @@ def input_names(node: OpNode) -> list[str]:
 
 
 def gradient_tensors(ops: list[OpNode], consumers: dict[str, list[OpNode]], params: dict) -> dict[str, tuple]:
-    """Parameter → (node, TensorMeta) holding its gradient: a backward output no op of `ops` reads
+    """Parameter → (node, output index) holding its gradient: a backward output no op of `ops` reads
     (a step output, or a tied weight's share summed elsewhere), matched to a parameter the ops read
     by shape, within its module first."""
     inside = {node.name for node in ops}
@@ -411,7 +411,7 @@ def gradient_tensors(ops: list[OpNode], consumers: dict[str, list[OpNode]], para
         if node.phase == "backward":
             read = {m.shape for c in consumers.get(node.name, []) if c.name in inside
                     for n, m in zip(input_names(c), c.input_meta) if n == node.name}
-            candidates += [(node, m) for m in node.output_meta if m.shape not in read]
+            candidates += [(node, i) for i, m in enumerate(node.output_meta) if m.shape not in read]
     order = [n[6:] for node in ops if node.phase == "forward"
              for n in input_names(node) if n.startswith("param:") and n[6:] in params]
     found: dict[str, tuple] = {}
@@ -419,8 +419,8 @@ def gradient_tensors(ops: list[OpNode], consumers: dict[str, list[OpNode]], para
     for name in dict.fromkeys(order):
         info = params[name]
         for same_module in (True, False):
-            match = next((i for i, (node, m) in enumerate(candidates) if i not in used
-                          and tuple(m.shape) == tuple(info.shape)
+            match = next((i for i, (node, k) in enumerate(candidates) if i not in used
+                          and tuple(node.output_meta[k].shape) == tuple(info.shape)
                           and (node.module_path == info.module_path or not same_module)), None)
             if match is not None:
                 used.add(match)
@@ -429,10 +429,13 @@ def gradient_tensors(ops: list[OpNode], consumers: dict[str, list[OpNode]], para
     return found
 
 
-def trace_views(name: str, meta, by_name: dict[str, OpNode], inside: set[str]):
+def trace_views(name: str, meta, by_name: dict[str, OpNode], inside: set[str], index: int | None = None):
     """Follow views (within `inside`) back from a tensor to the op, parameter or external tensor
     that produced it: ((root name, output index), [(view node, input meta, output meta)] from
-    the root outwards)."""
+    the root outwards). The graph names producers, not outputs: the index is the first output of
+    the tensor's shape unless `index` (of `name`'s outputs) says otherwise."""
+    if index is not None and (name not in inside or not by_name[name].is_view):
+        return (name, index), []
     chain = []
     while name in inside and by_name[name].is_view and input_names(by_name[name]):
         view = by_name[name]

@@ -133,7 +133,9 @@ class _Refiner:
                 self.ilp_variables += getattr(solution, "variables", 0)
                 self.ilp_solve_s += getattr(solution, "solve_s", 0.0)
             solution = self.cache[key]
-            units.append(dataclasses.replace(unit, ops=_renamed(solution.ops, unit)))
+            solved = getattr(solution, "unit", unit)  # its sharded_params follow the chosen parameter placements
+            units.append(dataclasses.replace(unit, ops=_renamed(solution.ops, unit),
+                                             sharded_params=solved.sharded_params))
             op_placements.update(solution.op_placements)
             param_placements.update(solution.param_placements)
         return units, op_placements, param_placements

@@ -10,7 +10,7 @@ from autopar.cluster import load_cluster
 from autopar.graph import trace
 from autopar.graph.ir import OpGraph, OpNode, ParamInfo, StepMemory, TensorMeta
 from autopar.models import build_model
-from autopar.plan import Strategy
+from autopar.plan import Strategy, parse_placements
 from cost_models.communication import collective_time_s, group_layout
 from cost_models.compute import unit_time
 from cost_models.evaluate import evaluate
@@ -129,8 +129,9 @@ def test_views_carry_shards_where_they_can():
 
 
 # --- (1) ILP = brute force ----------------------------------------------------------------------
-CASES = [(mlp_forward, (8192, 4096, 8192, 4096)), (mlp_forward, (1, 8192, 16384, 8192)), (mlp_forward, (64, 4096, 16384, 4096)),
-         (mlp_forward, (4, 64, 64, 64)), (linear_train, (8192, 2048, 8192)), (linear_train, (16, 8192, 8192))]
+CASES = [(mlp_forward, (8192, 4096, 8192, 4096)), (mlp_forward, (1, 8192, 16384, 8192)),
+         (mlp_forward, (64, 4096, 16384, 4096)), (mlp_forward, (4, 64, 64, 64)),
+         (linear_train, (8192, 2048, 8192)), (linear_train, (16, 8192, 8192))]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -226,7 +227,7 @@ def test_tight_memory_budget_shards_parameters(gpt):
 def test_same_inputs_same_plan(gpt):
     graph, facts = gpt
     layer = facts.units[facts.layer_units[0]]
-    runs = [solve_unit(layer, graph, tp=2, batch=64, cluster=CLUSTER, dtype="bf16") for _ in range(3)]
+    runs = [solve_unit(layer, graph, tp=2, batch=128, cluster=CLUSTER, dtype="bf16") for _ in range(2)]
     for run in runs[1:]:
         assert run.op_strategies == runs[0].op_strategies
         assert run.param_placements == runs[0].param_placements
@@ -249,7 +250,7 @@ def test_the_ilp_solves_the_same_optimum_with_other_mip_solvers(gpt):
 # --- (5) the plan under evaluate ----------------------------------------------------------------
 def test_rewritten_ops_evaluate_to_the_ilp_objective(gpt):
     graph, facts = gpt
-    batch = 64
+    batch = 128
     solutions = [solve_unit(u, graph, tp=2, batch=batch, cluster=CLUSTER, dtype="bf16") for u in facts.units]
     planned = dataclasses.replace(facts, units=tuple(s.unit for s in solutions))
     strategy = Strategy(dp=4, tp=2, pp=1, microbatch=batch, num_microbatches=2)
@@ -259,3 +260,19 @@ def test_rewritten_ops_evaluate_to_the_ilp_objective(gpt):
     assert stage.forward_s + stage.backward_s == pytest.approx(sum(s.objective_s for s in solutions), rel=1e-9)
     baseline = evaluate(facts, CLUSTER, strategy, global_batch=4 * 2 * batch)
     assert result.step_time_s < baseline.step_time_s
+    for solution in solutions:  # placements are plan-file strings for the tp axis
+        assert len(solution.op_placements) == len(solution.ops)
+        for text in (*solution.op_placements.values(), *solution.param_placements.values()):
+            assert len(parse_placements(text)) == 1
+
+
+def test_every_parameter_of_a_layer_finds_its_gradient(gpt):
+    graph, facts = gpt
+    layer = facts.units[facts.layer_units[0]]
+    problem = UnitProblem(layer, graph, 2, 2, CLUSTER, "bf16")
+    params = {p.name for p in graph.params if p.name.startswith("layers.0.")}
+    assert set(problem.gradients) == params
+    for name, (node, index) in problem.gradients.items():
+        assert node.phase == "backward" and node.output_meta[index].shape == problem.params[name].shape
+    ln = [problem.gradients[f"layers.0.ln1.{p}"] for p in ("weight", "bias")]  # one op, two outputs
+    assert ln[0][0] is ln[1][0] and ln[0][1] != ln[1][1]
