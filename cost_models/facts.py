@@ -233,12 +233,14 @@ def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sampl
         kind = "matmul"
     else:
         kind = "vector"
-    sharded = out in ("S", "P")
+    # Split work: a sharded result, or a contraction whose partial sums each rank computes a share
+    # of. An elementwise op on partial sums (adding two of them) is full-size work on every rank.
+    sharded = out == "S" or (out == "P" and kind in ("matmul", "attention"))
     return OpFacts(
         name=node.name, phase=node.phase, kind=kind, flops=node.flops * per_sample,
         activation_bytes=moved * per_sample, weight_bytes=weight, tp_sharded=sharded,
         reduce_bytes=reduce_bytes * per_sample, saved_bytes=node.saved_bytes * per_sample,
-        saved_sharded=sharded,
+        saved_sharded=out == "S",
     )
 
 
