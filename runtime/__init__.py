@@ -1,1 +1,10 @@
-"""Plan execution on torch.distributed (issue #6); nothing is implemented here yet."""
+"""Plan execution on torch.distributed: one module per concern, composed by `parallelize`.
+
+mesh (DeviceMesh and this rank's stages), tensor_parallel (DTensor TP/SP), data_parallel (dp
+gradient sync, FSDP2 for ZeRO 1-3), pipeline (stages and schedules), recompute, precision, init
+(sharding-independent initialization of local shards), parallelize (the composition and the step).
+"""
+
+from runtime.parallelize import ParallelModel, parallelize
+
+__all__ = ["ParallelModel", "parallelize"]

@@ -27,7 +27,8 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
             index=index, module_paths=list(dict.fromkeys(paths)),
             device_ids=list(range(rank * stage_size, (rank + 1) * stage_size)), mesh_shape={"dp": s.dp, "tp": s.tp},
         ))
-    dp_part = "S(0)" if s.zero >= 3 and s.dp > 1 else "R"
+    # ZeRO 1-3 run on FSDP2: parameters rest sharded over dp (gathered for compute; zero 3 also frees them after forward)
+    dp_part = "S(0)" if s.zero >= 1 and s.dp > 1 else "R"
     param_placements = {}
     for param in graph.params:
         tp_part = candidate.param_placements.get(param.name)
@@ -35,6 +36,10 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
             dim = facts.param_tp_dims.get(param.name)
             tp_part = f"S({dim})" if dim is not None and s.tp > 1 else "R"
         param_placements[param.name] = dp_part + tp_part
+    for param in graph.params:  # a column-parallel Linear's bias is split with its output features
+        weight = param.name.removesuffix(".bias") + ".weight"
+        if param.name.endswith(".bias") and len(param.shape) == 1 and param_placements.get(weight, "").endswith("S(0)"):
+            param_placements[param.name] = dp_part + "S(0)"
     recompute = [u.name for units in candidate.stages for u in units
                  if u.layer_type is not None and s.recompute != "none"]
     return Plan(

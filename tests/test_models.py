@@ -39,7 +39,7 @@ def test_gpt_ties_head_llama_does_not():
     llama = build_model("llama", "layers=1,hidden=64,heads=4,kv_heads=2,vocab=100,seq_len=16").module
     assert gpt.head.weight is gpt.embed.weight
     assert llama.head.weight is not llama.embed.weight
-    assert llama.layers[0].attn.k_proj.weight.shape == (32, 64)  # 2 kv heads of 16
+    assert llama.layers["0"].attn.k_proj.weight.shape == (32, 64)  # 2 kv heads of 16
 
 
 def test_overrides_are_typed_and_checked():

@@ -93,19 +93,28 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(config.vocab, config.hidden)
         self.pos_embed = nn.Embedding(config.seq_len, config.hidden)
         self.embed_dropout = residual_dropout(config)
-        self.layers = nn.ModuleList(GPTBlock(config) for _ in range(config.layers))
+        # A dict keyed by index, so a pipeline stage that drops some layers keeps the others' names.
+        self.layers = nn.ModuleDict({str(i): GPTBlock(config) for i in range(config.layers)})
         self.final_norm = nn.LayerNorm(config.hidden, eps=config.norm_eps)
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
         if config.tied:
             self.head.weight = self.embed.weight
         init_transformer_weights(self, config)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.embed_dropout(self.embed(input_ids) + self.pos_embed(positions))
-        for layer in self.layers:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids to logits; a pipeline stage (parts set to None) maps its input to its output."""
+        if self.embed is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.embed_dropout(self.embed(x) + self.pos_embed(positions))
+        for layer in self.layers.values():
             x = layer(x)
-        return self.head(self.final_norm(x))
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.head(x) if self.head is not None else x
+
+    def init_module_(self, path: str, module: nn.Module) -> None:
+        """Initialize one module's own tensors: the runtime's per-module, sharding-independent init."""
+        init_module_weights(path, module, self.config)
 
 
 def init_transformer_weights(model: nn.Module, config: TransformerConfig) -> None:
@@ -113,15 +122,22 @@ def init_transformer_weights(model: nn.Module, config: TransformerConfig) -> Non
 
     Deterministic for a given torch seed, so a sharded run can rebuild the same weights.
     """
-    out_std = config.init_std / math.sqrt(2 * config.layers)
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            is_output = name.endswith(("out_proj", "fc2", "down_proj"))
-            nn.init.normal_(module.weight, mean=0.0, std=out_std if is_output else config.init_std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=config.init_std)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
+        init_module_weights(name, module, config)
+
+
+def init_module_weights(name: str, module: nn.Module, config: TransformerConfig) -> None:
+    """The init rule for one module's own parameters (not its children's)."""
+    out_std = config.init_std / math.sqrt(2 * config.layers)
+    if isinstance(module, nn.Linear):
+        is_output = name.endswith(("out_proj", "fc2", "down_proj"))
+        nn.init.normal_(module.weight, mean=0.0, std=out_std if is_output else config.init_std)
+        if module.bias is not None:
             nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=config.init_std)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+    elif hasattr(module, "reset_parameters") and not list(module.children()):
+        module.reset_parameters()

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.config import TransformerConfig
-from autopar.models.gpt import CausalSelfAttention, init_transformer_weights
+from autopar.models.gpt import CausalSelfAttention, init_module_weights, init_transformer_weights
 
 
 class RMSNorm(nn.Module):
@@ -53,7 +53,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab, config.hidden)
-        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.layers))
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(config) for i in range(config.layers)})
         self.final_norm = RMSNorm(config.hidden, config.norm_eps)
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
         if config.tied:
@@ -64,12 +64,23 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         init_transformer_weights(self, config)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids to logits; a pipeline stage (parts set to None) maps its input to its output."""
+        if self.embed is not None:
+            x = self.embed(x)
         rope = (self.rope_cos, self.rope_sin)
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x, rope)
-        return self.head(self.final_norm(x))
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.head(x) if self.head is not None else x
+
+    def init_module_(self, path: str, module: nn.Module) -> None:
+        """Initialize one module's own tensors (the rope tables for the root): see GPT.init_module_."""
+        if path == "":
+            module.rope_cos, module.rope_sin = rope_tables(self.config)
+        else:
+            init_module_weights(path, module, self.config)
 
 
 def rope_tables(config: TransformerConfig) -> tuple[torch.Tensor, torch.Tensor]:

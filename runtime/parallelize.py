@@ -1,0 +1,265 @@
+"""Compose the runtime's concerns into a model that trains as the plan says.
+
+Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel →
+recompute → FSDP/ZeRO → materialize local shards → schedule. Tensor parallelism comes before FSDP
+so FSDP shards the DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside
+the checkpointed forward; materialization last, so every rank only ever allocates its shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from autopar.errors import AutoparError
+from autopar.graph.capture import model_fingerprint
+from autopar.plan import Plan
+from runtime.data_parallel import (all_reduce_gradients, apply_fsdp, fsdp_syncs_every_microbatch,
+                                   set_gradient_sync)
+from runtime.init import InitSource, materialize
+from runtime.mesh import RankLayout, build_layout
+from runtime.pipeline import build_schedule, check_stage_cover, stage_module, tied_pp_ranks
+from runtime.precision import autocast, fsdp_policy
+from runtime.recompute import apply_recompute
+from runtime.tensor_parallel import apply_tensor_parallel, default_head_path, tp_placement
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model and the step that trains it."""
+
+    plan: Plan
+    layout: RankLayout
+    modules: list[nn.Module]  # this rank's stage modules (one unless interleaved)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    precision: str
+    schedule: object | None = None
+    tied_groups: list[tuple[str, dist.ProcessGroup, int]] = field(default_factory=list)
+    vocab_parallel_loss: bool = False
+    canonical: dict[str, str] = field(default_factory=dict)  # alias of a tied weight -> its first name
+
+    @property
+    def strategy(self):
+        return self.plan.strategy
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.modules:
+            for param in module.parameters():
+                seen.setdefault(id(param), param)
+        return list(seen.values())
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        named: dict[str, nn.Parameter] = {}
+        for module in self.modules:
+            named.update(dict(module.named_parameters()))
+        return named
+
+    def is_first_stage(self) -> bool:
+        return 0 in self.layout.stage_indices
+
+    def is_last_stage(self) -> bool:
+        return len(self.plan.stages) - 1 in self.layout.stage_indices
+
+    def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
+        """This dp rank's rows of a global batch (every rank may load the same global batch)."""
+        s = self.strategy
+        rows = s.microbatch * s.num_microbatches
+        if global_batch.shape[0] != rows * s.dp:
+            raise AutoparError(f"global batch of {global_batch.shape[0]} sequences, the plan needs dp x microbatch x "
+                               f"micro-batches = {s.dp} x {s.microbatch} x {s.num_microbatches} = {rows * s.dp}")
+        start = self.layout.dp_rank * rows
+        return global_batch[start:start + rows].to(self.layout.device)
+
+    def forward_backward(self, local: torch.Tensor) -> torch.Tensor:
+        """Run every micro-batch forward and backward; returns the sum of micro-batch losses (0 off the last stage)."""
+        s = self.strategy
+        loss_context = loss_parallel if self.vocab_parallel_loss else contextlib.nullcontext
+        total = torch.zeros((), device=self.layout.device)
+        fsdp = s.zero >= 1
+        with loss_context():
+            if self.schedule is not None:
+                losses: list[torch.Tensor] = []
+                with autocast(self.precision, self.layout.device, fsdp):
+                    args = (local,) if self.is_first_stage() else ()
+                    kwargs = {"target": local, "losses": losses} if self.is_last_stage() else {}
+                    self.schedule.step(*args, **kwargs)
+                for loss in losses:
+                    total += _local_value(loss.detach())
+                return total
+            module = self.modules[0]
+            micro = local.chunk(s.num_microbatches)
+            for index, x in enumerate(micro):
+                last = index == len(micro) - 1
+                if fsdp and not fsdp_syncs_every_microbatch(s.zero):
+                    set_gradient_sync([module, *module.modules()], last)
+                with autocast(self.precision, self.layout.device, fsdp):
+                    loss = self.loss_fn(module(x), x)
+                (loss / s.num_microbatches).backward()
+                total += _local_value(loss.detach())
+        return total
+
+    def sync_gradients(self) -> None:
+        """What the step adds after backward: tied weights across stages, then replicated dp gradients."""
+        named = self.named_parameters()
+        for name, group, _ in self.tied_groups:
+            grad = named[name].grad
+            if grad is not None:
+                dist.all_reduce(_local_value(grad), group=group)
+        if self.strategy.zero == 0:
+            all_reduce_gradients(self.parameters(), self.layout.group("dp"), self.layout.size("dp"))
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over every shard and stage (one scalar all-reduce), then clip."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        tied = {name: len(ranks) for name, _, ranks in self.tied_groups}
+        for name, param in self.named_parameters().items():
+            if param.grad is None:
+                continue
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                copies = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
+                # replicated over the stage-mesh axes the DTensor does not span
+                copies *= self._stage_size() // grad.device_mesh.size()
+                local = grad.to_local()
+            else:
+                copies, local = self._stage_size(), grad
+            copies *= tied.get(name, 1)
+            squares += local.float().pow(2).sum() / copies
+        dist.all_reduce(squares)
+        norm = squares.sqrt()
+        if max_norm > 0:
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for param in self.parameters():
+                if param.grad is not None:
+                    _local_value(param.grad).mul_(scale)
+        return norm
+
+    def _stage_size(self) -> int:
+        return self.layout.size("dp") * self.layout.size("tp")
+
+    def global_loss(self, loss_sum: torch.Tensor) -> float:
+        """Mean loss over the global batch, the same on every rank (one scalar all-reduce)."""
+        s = self.strategy
+        value = loss_sum.detach().float().reshape(1)
+        if not (self.is_last_stage() and self.layout.tp_rank == 0):
+            value = torch.zeros_like(value)
+        dist.all_reduce(value)
+        return value.item() / (s.dp * s.num_microbatches)
+
+    def train_step(self, global_batch: torch.Tensor, optimizer: torch.optim.Optimizer,
+                   max_grad_norm: float = 0.0) -> float:
+        loss_sum = self.forward_backward(self.local_batch(global_batch))
+        self.sync_gradients()
+        if max_grad_norm > 0:
+            self.clip_grad_norm_(max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return self.global_loss(loss_sum)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stage parameters gathered to full tensors under their canonical names (a
+        collective over the stage mesh)."""
+        return {self.canonical.get(name, name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+                for name, p in self.named_parameters().items()}
+
+
+def _local_value(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 0, precision: str = "fp32",
+                head_path: str | None = None) -> ParallelModel:
+    """Shard `model` (on meta, or with real weights) as `plan` says, on the running process group.
+
+    `loss_fn(output, input_ids)` is the training loss; every rank calls this with the same arguments.
+    """
+    fingerprint = model_fingerprint(model)
+    if plan.provenance.model_fingerprint != fingerprint:
+        raise AutoparError(
+            f"the plan was made for model fingerprint {plan.provenance.model_fingerprint} "
+            f"({plan.provenance.model_name}), this model is {fingerprint}: re-run `autopar plan` for this model"
+        )
+    s = plan.strategy
+    check_stage_cover(model, plan)
+    placements = {name: tp_placement(text) for name, text in plan.param_placements.items()}
+    head_path = head_path if head_path is not None else default_head_path(model)
+    layout = build_layout(plan)  # 1. mesh (checks the world size before any collective)
+    source = InitSource(model, seed)
+
+    stage_paths = {stage.index: stage.module_paths for stage in plan.stages}
+    modules: list[nn.Module] = []
+    for index in layout.stage_indices:
+        # 2. pipeline stage: the modules of this stage only (the whole model when pp=1)
+        module = stage_module(model, stage_paths[index]) if s.pp > 1 else copy.deepcopy(model)
+        # 3. tensor / sequence parallel over the tp axis
+        if s.tp > 1:
+            apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path)
+        # 4. recompute the planned modules
+        apply_recompute(module, plan.recompute_modules, s.recompute)
+        # 5. ZeRO: FSDP2 units per block over the dp axis
+        if s.zero >= 1:
+            blocks = [p for p in stage_paths[index] if _is_block(module, p)]
+            apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision))
+        # 6. materialize this rank's shards with the sharding-independent init
+        materialize(module, source, layout.device)
+        modules.append(module)
+
+    vocab_parallel = s.tp > 1 and head_path is not None and placements.get(
+        source.canonical(f"{head_path}.weight"), "R") == "S(0)"
+    parallel = ParallelModel(plan=plan, layout=layout, modules=modules, loss_fn=loss_fn, precision=precision,
+                             vocab_parallel_loss=vocab_parallel)
+    parallel.tied_groups = _tied_groups(model, plan, layout)
+    parallel.canonical = dict(source.alias)
+    if s.pp > 1:  # 7. the pipeline schedule over this rank's stages
+        parallel.schedule = build_schedule(modules, layout.stage_indices, len(plan.stages), layout.device,
+                                           layout.group("pp"), s.schedule, s.num_microbatches, loss_fn)
+    return parallel
+
+
+def _is_block(module: nn.Module, path: str) -> bool:
+    """A listed module that owns no parameters itself and shares none: its own FSDP unit."""
+    try:
+        sub = module.get_submodule(path)
+    except AttributeError:
+        return False
+    if sub is module or any(p is not None for p in sub._parameters.values()):
+        return False
+    inside = {id(p) for p in sub.parameters()}
+    outside = {id(p) for name, p in module.named_parameters(remove_duplicate=False)
+               if not name.startswith(path + ".")}
+    return not inside & outside
+
+
+def _tied_groups(model: nn.Module, plan: Plan, layout: RankLayout) -> list[tuple[str, dist.ProcessGroup, list[int]]]:
+    """Process groups summing the gradients of weights tied across pipeline ranks (embedding and head)."""
+    groups = []
+    stage_size = layout.size("dp") * layout.size("tp")
+    offset = layout.dp_rank * layout.size("tp") + layout.tp_rank
+    local_names = set()
+    for index in layout.stage_indices:
+        for path in next(st.module_paths for st in plan.stages if st.index == index):
+            local_names.add(path)
+    for name, pp_ranks in tied_pp_ranks(model, plan).items():
+        aliases = [n for n, p in model.named_parameters(remove_duplicate=False)
+                   if p is dict(model.named_parameters())[name]]
+        mine = None
+        for position in range(stage_size):  # every rank creates every group, in the same order
+            ranks = [r * stage_size + position for r in pp_ranks]
+            group = dist.new_group(ranks)
+            if position == offset and layout.pp_rank in pp_ranks:
+                mine = group
+        if mine is not None:
+            here = [a for a in aliases if any(a.startswith(p + ".") for p in local_names)]
+            for alias in here:
+                groups.append((alias, mine, pp_ranks))
+    return groups

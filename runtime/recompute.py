@@ -1,0 +1,54 @@
+"""Activation recompute on the modules the plan lists, without renaming them.
+
+The module's forward is replaced by a checkpointed call of the original, so parameter names (and
+checkpoints, and plan placements) stay those of the unwrapped model. `full` keeps only the block's
+input; `selective` also keeps the outputs of matmuls and attention and recomputes the rest
+(the elementwise work the cost model's selective policy drops).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autopar.errors import AutoparError
+
+_SAVED_OPS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default, torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_recompute(model: nn.Module, module_paths: list[str], policy: str) -> list[str]:
+    """Checkpoint each listed module present in `model` (a stage may hold only some); returns those done."""
+    if policy == "none":
+        return []
+    if policy not in ("full", "selective"):
+        raise AutoparError(f"unknown recompute policy {policy!r}: use none, selective or full")
+    done = []
+    present = dict(model.named_modules())
+    for path in module_paths:
+        module = present.get(path)
+        if module is None:
+            continue
+        original = module.forward
+        context = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+                   if policy == "selective" else None)
+
+        def forward(*args, _original=original, _context=context, **kwargs):
+            extra = {"context_fn": _context} if _context is not None else {}
+            return checkpoint(_original, *args, use_reentrant=False, **extra, **kwargs)
+
+        module.forward = forward
+        done.append(path)
+    return done

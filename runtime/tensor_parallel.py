@@ -1,0 +1,203 @@
+"""Tensor and sequence parallelism from the plan's per-parameter placements (Megatron-style blocks).
+
+What the runtime realizes, per module:
+- a Linear whose weight is S(0) over tp is column parallel, S(1) row parallel, R replicated;
+- an Embedding whose weight is S(0) is vocabulary parallel (its output all-reduced, or
+  reduce-scattered over the sequence under sp), S(1) splits the hidden size, R is replicated;
+- a module whose direct Linear children are column and row parallel is a tensor-parallel block:
+  its input is made a DTensor once, so the backward all-reduce (Megatron's f) happens once per block,
+  not once per column-parallel projection;
+- under sp, norms run on sequence shards and a block's input is all-gathered on entry;
+- the head (the last column-parallel Linear whose output leaves the model) keeps logits sharded
+  over the vocabulary, and the loss runs under `loss_parallel`.
+`check_tp_placements` says which plans this cannot realize; the searcher asks it first.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
+
+from autopar.errors import AutoparError
+from autopar.plan import parse_placements
+
+_NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def tp_placement(plan_placement: str) -> str:
+    """The tp-axis part of a plan placement over (dp, tp): "RS(0)" -> "S(0)"."""
+    kind, dim = parse_placements(plan_placement)[-1]
+    return kind if dim is None else f"{kind}({dim})"
+
+
+def default_head_path(model: nn.Module) -> str | None:
+    """The Linear that produces the logits: the last Linear in module order."""
+    linears = [path for path, module in model.named_modules() if isinstance(module, nn.Linear)]
+    return linears[-1] if linears else None
+
+
+def check_tp_placements(model: nn.Module, placements: dict[str, str], sp: bool) -> str | None:
+    """None when every parameter's tp placement is one this runtime executes, else the first reason.
+
+    `placements` maps parameter names (any alias of a tied weight) to their tp placement ("R",
+    "S(0)", ...); names missing are replicated.
+    """
+    try:
+        _styles(model, placements, sp, head_path=default_head_path(model))
+    except AutoparError as error:
+        return str(error)
+    return None
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dict[str, str], sp: bool,
+                          head_path: str | None) -> None:
+    """Shard `model` in place over `tp_mesh`; `head_path` names the Linear producing the logits."""
+    styles = _styles(model, placements, sp, head_path=head_path)
+    tied = _tied_groups(model)
+    if styles:
+        parallelize_module(model, tp_mesh, styles)
+    for names in tied:  # parallelize_module replaces parameters: re-tie the aliases to the first
+        first_module, first_attr = _resolve(model, names[0])
+        for other in names[1:]:
+            module, attr = _resolve(model, other)
+            setattr(module, attr, getattr(first_module, first_attr))
+
+
+def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: str | None = None) -> dict:
+    styles: dict = {}
+    canonical = _canonical_placements(model, placements)
+    kinds: dict[str, str] = {}  # module path -> "col" | "row" | "rep"
+    for path, module in model.named_modules():
+        if module is None:
+            continue
+        own = {attr: canonical.get(f"{path}.{attr}" if path else attr, "R")
+               for attr, p in module._parameters.items() if p is not None}
+        sharded = {attr: value for attr, value in own.items() if value != "R"}
+        if isinstance(module, nn.Linear):
+            weight = own.get("weight", "R")
+            bias = own.get("bias")
+            if weight == "R":
+                _all_replicated(path, own)
+                kinds[path] = "rep"
+            elif weight == "S(0)":
+                if bias not in (None, "S(0)"):
+                    raise AutoparError(f"{path}.bias is {bias} but its column-parallel weight needs it S(0)")
+                kinds[path] = "col"
+                if path == head_path:
+                    styles[path] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                                   output_layouts=Shard(-1), use_local_output=False)
+                else:
+                    styles[path] = ColwiseParallel()
+            elif weight == "S(1)":
+                if bias not in (None, "R"):
+                    raise AutoparError(f"{path}.bias is {bias} but a row-parallel Linear adds a replicated bias")
+                kinds[path] = "row"
+                styles[path] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+            else:
+                raise AutoparError(f"{path}.weight placement {weight} over tp is not executable: use R, S(0) or S(1)")
+        elif isinstance(module, nn.Embedding):
+            weight = own.get("weight", "R")
+            if weight == "S(0)":
+                styles[path] = RowwiseParallel(input_layouts=Replicate(),
+                                               output_layouts=Shard(_sequence_dim(path, model)) if sp else Replicate())
+            elif weight == "S(1)":
+                if sp:
+                    raise AutoparError(f"{path}: a hidden-sharded embedding (S(1)) with sequence parallelism is not "
+                                       f"executable: shard it S(0) or keep it R")
+                styles[path] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            elif weight != "R":
+                raise AutoparError(f"{path}.weight placement {weight} over tp is not executable: use R, S(0) or S(1)")
+        elif isinstance(module, _NORMS):
+            _all_replicated(path, own)
+            if sp:
+                styles[path] = SequenceParallel()
+        elif sharded:
+            attr, value = next(iter(sharded.items()))
+            raise AutoparError(f"{path}.{attr} is {value} over tp, but the runtime shards only Linear and "
+                               f"Embedding parameters: keep it R")
+    for path, module in model.named_modules():
+        children = [f"{path}.{name}" if path else name for name, child in module.named_children()
+                    if isinstance(child, nn.Linear)]
+        child_kinds = {kinds.get(c) for c in children if c != head_path}
+        if "col" in child_kinds or "row" in child_kinds:
+            if child_kinds - {"col", "row"} or "col" not in child_kinds or "row" not in child_kinds:
+                described = ", ".join(f"{c}={kinds.get(c)}" for c in children)
+                raise AutoparError(
+                    f"module {path!r} mixes tensor-parallel linears the runtime cannot chain ({described}): a block "
+                    f"needs column-parallel inputs and a row-parallel output, or all replicated"
+                )
+            styles[path] = _BlockInput(sp)
+    return styles
+
+
+class _BlockInput(ParallelStyle):
+    """A block's activation input (first positional or `hidden_states`) becomes one replicated DTensor.
+
+    Its backward is one all-reduce (or reduce-scatter under sp) of the summed gradients of all the
+    block's column-parallel projections, as in Megatron-LM; other inputs (rope tables, masks) pass as they are.
+    """
+
+    def __init__(self, sp: bool) -> None:
+        super().__init__()
+        self.sp = sp
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        layout = Shard(1) if self.sp else Replicate()
+
+        def convert(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (layout,), run_check=False)
+            return x.redistribute(device_mesh, (Replicate(),))
+
+        def hook(_module, args, kwargs):
+            if args:
+                return (convert(args[0]), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"])}
+            raise AutoparError(f"tensor-parallel block {type(_module).__name__} got no positional or "
+                               f"hidden_states input to shard")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _sequence_dim(path: str, model: nn.Module) -> int:
+    """Position tables are looked up by a 1-D index: their output's sequence dimension is 0."""
+    return 0 if "pos" in path.rsplit(".", 1)[-1] else 1
+
+
+def _all_replicated(path: str, own: dict[str, str]) -> None:
+    for attr, value in own.items():
+        if value != "R":
+            raise AutoparError(f"{path}.{attr} is {value} over tp but {path} runs replicated: keep it R")
+
+
+def _canonical_placements(model: nn.Module, placements: dict[str, str]) -> dict[str, str]:
+    """Placements under every alias of a tied parameter, checked to agree."""
+    by_param: dict[int, str] = {}
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    result: dict[str, str] = {}
+    for key, aliases in names.items():
+        given = {placements[n] for n in aliases if n in placements}
+        if len(given) > 1:
+            raise AutoparError(f"tied parameter {' = '.join(aliases)} has different placements {sorted(given)}")
+        by_param[key] = given.pop() if given else "R"
+        for alias in aliases:
+            result[alias] = by_param[key]
+    return result
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _resolve(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr

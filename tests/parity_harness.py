@@ -1,0 +1,123 @@
+"""Run plans on several gloo processes and the same training on one process, for parity tests.
+
+Plans are searched once in the parent (every strategy key fixed); each worker process trains
+every plan in turn on the same process group and writes its losses and gathered weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SEED = 1234
+LR = 1e-3
+MAX_GRAD_NORM = 1.0
+
+
+def tiny_config(family: str = "gpt", **extra) -> dict:
+    config = dict(layers=4, hidden=32, heads=4, vocab=96, seq_len=16)
+    if family == "llama":
+        config.update(kv_heads=2)
+    config.update(extra)
+    return config
+
+
+def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_batch: int, use_ilp: bool = False):
+    """The searcher's plan with every key of `strategy` fixed, for `world` processes."""
+    from autopar.cluster import load_cluster
+    from autopar.graph import trace
+    from autopar.models import build_model
+    from cost_models.facts import model_facts
+    from searcher.plan_builder import build_plan
+    from searcher.search import search
+
+    spec = build_model(model, overrides)
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="fp32", name=model,
+                  seq_len=spec.config.seq_len)
+    facts = model_facts(graph, heads=spec.config.heads, kv_heads=spec.config.num_kv_heads, vocab=spec.config.vocab)
+    cluster = load_cluster("dgx-h100", gpus=world)
+    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp)
+    chosen = result.best or result.ranked[0]
+    for key, value in strategy.items():
+        assert getattr(chosen.strategy, key) == value, (key, chosen.strategy)
+    return build_plan(chosen, graph, facts, cluster)
+
+
+def batches(vocab: int, global_batch: int, seq_len: int, steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(SEED + 1)
+    return [torch.randint(0, vocab, (global_batch, seq_len), generator=generator) for _ in range(steps)]
+
+
+def reference_run(model: str, overrides: dict, data: list[torch.Tensor]) -> tuple[list[float], dict]:
+    """One process, whole batch, same init and optimizer: what every plan must reproduce."""
+    from autopar.models import build_model
+    from runtime.init import InitSource, materialize
+
+    spec = build_model(model, overrides)
+    module = copy.deepcopy(spec.module)
+    materialize(module, InitSource(spec.module, SEED), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    losses = []
+    for batch in data:
+        loss = spec.loss_fn(module(batch), batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[dict], outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for number, job in enumerate(jobs):
+            result = run_job(job)
+            if result is not None:
+                Path(outdir, f"job{number}.rank{rank}.pt").write_bytes(b"")
+                torch.save(result, Path(outdir, f"job{number}.rank{rank}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_job(job: dict) -> dict | None:
+    from autopar.models import build_model
+    from autopar.plan import Plan
+    from runtime.parallelize import parallelize
+
+    plan = Plan.from_json(job["plan"])
+    spec = build_model(job["model"], job["overrides"])
+    parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=SEED)
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR)
+    placements = {name: [str(p) for p in param.placements] if hasattr(param, "placements") else []
+                  for name, param in parallel.named_parameters().items()}
+    losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in job["data"]]
+    state = parallel.full_state_dict()
+    if parallel.layout.dp_rank == 0 and parallel.layout.tp_rank == 0:
+        return {"losses": losses, "state": state, "placements": placements}
+    return {"losses": losses, "placements": placements}
+
+
+def run_plans(world: int, jobs: list[dict]) -> list[list[dict]]:
+    """Every job on `world` gloo processes; per job, each rank's result."""
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_worker, args=(world, _free_port(), jobs, outdir), nprocs=world, start_method="spawn")
+        return [[torch.load(Path(outdir, f"job{n}.rank{r}.pt")) for r in range(world)] for n in range(len(jobs))]
