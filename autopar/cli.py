@@ -61,6 +61,30 @@ def build_parser() -> argparse.ArgumentParser:
                       help="which device of the database to use (default: the one matching the cluster's GPU)")
     plan.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     plan.set_defaults(handler=_plan)
+
+    run = commands.add_parser(
+        "run", help="train a model under a plan (--plan, or searched for this launch) on synthetic data")
+    run.add_argument("--plan", metavar="PATH", help="plan file from `autopar plan --save-plan`; "
+                     "give --model/--model-config of the model it was made for")
+    run.add_argument("--model", required=True, help="zoo name (e.g. gpt, llama, gpt2-124m)")
+    run.add_argument("--model-config", default=None, metavar="K=V,...", help="overrides, e.g. layers=4,hidden=256")
+    run.add_argument("--cluster", help="preset name or YAML/JSON cluster file to search a plan for the running "
+                     "world size (WORLD_SIZE, default 1) when no --plan is given")
+    run.add_argument("--strategy", default="", help="fixed keys for the search (e.g. dp=2,tp=2); with --plan, "
+                     "checked against the plan")
+    run.add_argument("--steps", type=int, required=True, help="optimizer steps to train")
+    run.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    run.add_argument("--global-batch", type=int, help="sequences per optimizer step (default with --plan: the plan's)")
+    run.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32"],
+                     help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
+    run.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the synthetic data (default 0)")
+    run.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off; default 1)")
+    run.add_argument("--log-every", type=int, default=10, help="log every K steps (default 10)")
+    run.add_argument("--metrics", metavar="PATH", help="write one JSON line per logged step to PATH")
+    run.add_argument("--dry-run", action="store_true", help="print the plan and its prediction, train nothing")
+    run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+    run.set_defaults(handler=_run)
     return parser
 
 
@@ -168,6 +192,12 @@ def _plan(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 3
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from autopar.run import run_command
+
+    return run_command(args)
 
 
 def _calibration(args: argparse.Namespace, graph, cluster):

@@ -34,7 +34,7 @@ def measure(name: str, overrides: str | None, batch: int, seq_len: int, recomput
     spec = build_model(name, overrides, device=device, seed=0)
     model = spec.module
     if recompute:
-        for index, layer in enumerate(model.layers):
+        for layer in model.layers.values():
             forward = layer.forward
             layer.forward = lambda *args, _f=forward: checkpoint(_f, *args, use_reentrant=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")

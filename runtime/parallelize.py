@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from autopar.capabilities import RUNTIME_CAPABILITIES
 from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan import Plan
@@ -166,6 +167,18 @@ class ParallelModel:
         optimizer.zero_grad(set_to_none=True)
         return self.global_loss(loss_sum)
 
+    def executed_placements(self) -> dict[str, str]:
+        """Each parameter's placement over (dp, tp) as it runs, in the plan's syntax ("S(0)R")."""
+        result = {}
+        for name, param in self.named_parameters().items():
+            parts = {"dp": "R", "tp": "R"}
+            if isinstance(param, DTensor):
+                for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
+                    dim = getattr(placement, "dim", None)
+                    parts[axis] = "R" if placement.is_replicate() else ("P" if dim is None else f"S({dim})")
+            result[self.canonical.get(name, name)] = parts["dp"] + parts["tp"]
+        return result
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stage parameters gathered to full tensors under their canonical names (a
         collective over the stage mesh)."""
@@ -190,11 +203,16 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
             f"({plan.provenance.model_name}), this model is {fingerprint}: re-run `autopar plan` for this model"
         )
     s = plan.strategy
+    unsupported = RUNTIME_CAPABILITIES.supports(s)
+    if unsupported:
+        raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
     check_stage_cover(model, plan)
     placements = {name: tp_placement(text) for name, text in plan.param_placements.items()}
     head_path = head_path if head_path is not None else default_head_path(model)
     layout = build_layout(plan)  # 1. mesh (checks the world size before any collective)
     source = InitSource(model, seed)
+    # every alias of a tied weight carries its placement (a stage may hold only the head's alias)
+    placements.update({alias: placements[name] for alias, name in source.alias.items() if name in placements})
 
     stage_paths = {stage.index: stage.module_paths for stage in plan.stages}
     modules: list[nn.Module] = []
@@ -203,7 +221,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         module = stage_module(model, stage_paths[index]) if s.pp > 1 else copy.deepcopy(model)
         # 3. tensor / sequence parallel over the tp axis
         if s.tp > 1:
-            apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path)
+            apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path,
+                                  vocab_parallel_loss=s.pp == 1)
         # 4. recompute the planned modules
         apply_recompute(module, plan.recompute_modules, s.recompute)
         # 5. ZeRO: FSDP2 units per block over the dp axis
@@ -214,7 +233,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         materialize(module, source, layout.device)
         modules.append(module)
 
-    vocab_parallel = s.tp > 1 and head_path is not None and placements.get(
+    # Pipeline schedules pass plain tensors between stages and to the loss: logits are gathered there.
+    vocab_parallel = s.tp > 1 and s.pp == 1 and head_path is not None and placements.get(
         source.canonical(f"{head_path}.weight"), "R") == "S(0)"
     parallel = ParallelModel(plan=plan, layout=layout, modules=modules, loss_fn=loss_fn, precision=precision,
                              vocab_parallel_loss=vocab_parallel)

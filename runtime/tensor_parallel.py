@@ -7,7 +7,8 @@ What the runtime realizes, per module:
 - a module whose direct Linear children are column and row parallel is a tensor-parallel block:
   its input is made a DTensor once, so the backward all-reduce (Megatron's f) happens once per block,
   not once per column-parallel projection;
-- under sp, norms run on sequence shards and a block's input is all-gathered on entry;
+- under sp, norms (every other module owning weights) run on sequence shards with replicated
+  weights, and a block's input is all-gathered on entry;
 - the head (the last column-parallel Linear whose output leaves the model) keeps logits sharded
   over the vocabulary, and the loss runs under `loss_parallel`.
 `check_tp_placements` says which plans this cannot realize; the searcher asks it first.
@@ -22,8 +23,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from autopar.errors import AutoparError
 from autopar.plan import parse_placements
-
-_NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 
 def tp_placement(plan_placement: str) -> str:
@@ -52,9 +51,13 @@ def check_tp_placements(model: nn.Module, placements: dict[str, str], sp: bool) 
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dict[str, str], sp: bool,
-                          head_path: str | None) -> None:
-    """Shard `model` in place over `tp_mesh`; `head_path` names the Linear producing the logits."""
-    styles = _styles(model, placements, sp, head_path=head_path)
+                          head_path: str | None, vocab_parallel_loss: bool = True) -> None:
+    """Shard `model` in place over `tp_mesh`; `head_path` names the Linear producing the logits.
+
+    With `vocab_parallel_loss` the logits stay sharded over the vocabulary (the loss must run under
+    `loss_parallel`); without, they are all-gathered (pipeline stages pass plain tensors).
+    """
+    styles = _styles(model, placements, sp, head_path=head_path, vocab_parallel_loss=vocab_parallel_loss)
     tied = _tied_groups(model)
     if styles:
         parallelize_module(model, tp_mesh, styles)
@@ -65,7 +68,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
             setattr(module, attr, getattr(first_module, first_attr))
 
 
-def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: str | None = None) -> dict:
+def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: str | None = None,
+            vocab_parallel_loss: bool = True) -> dict:
     styles: dict = {}
     canonical = _canonical_placements(model, placements)
     kinds: dict[str, str] = {}  # module path -> "col" | "row" | "rep"
@@ -87,7 +91,8 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                 kinds[path] = "col"
                 if path == head_path:
                     styles[path] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                                   output_layouts=Shard(-1), use_local_output=False)
+                                                   output_layouts=Shard(-1) if vocab_parallel_loss else Replicate(),
+                                                   use_local_output=not vocab_parallel_loss)
                 else:
                     styles[path] = ColwiseParallel()
             elif weight == "S(1)":
@@ -109,14 +114,14 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                 styles[path] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
             elif weight != "R":
                 raise AutoparError(f"{path}.weight placement {weight} over tp is not executable: use R, S(0) or S(1)")
-        elif isinstance(module, _NORMS):
-            _all_replicated(path, own)
-            if sp:
-                styles[path] = SequenceParallel()
         elif sharded:
             attr, value = next(iter(sharded.items()))
             raise AutoparError(f"{path}.{attr} is {value} over tp, but the runtime shards only Linear and "
                                f"Embedding parameters: keep it R")
+        elif own and sp:
+            # Norms (and any module with its own weights) run on sequence shards: their weights
+            # become replicated DTensors, so their gradients are summed over tp.
+            styles[path] = SequenceParallel()
     for path, module in model.named_modules():
         children = [f"{path}.{name}" if path else name for name, child in module.named_children()
                     if isinstance(child, nn.Linear)]

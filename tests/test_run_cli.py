@@ -1,0 +1,130 @@
+"""`autopar run`: real training on one process and under torchrun, and one line for each bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from autopar.cli import main
+
+MODEL = ["--model", "gpt", "--model-config", "layers=2,hidden=32,heads=4,vocab=64,seq_len=16"]
+TRAIN = [*MODEL, "--global-batch", "4", "--lr", "3e-3", "--seed", "7"]
+KEYS = {"step", "loss", "tokens_per_s", "mfu", "mfu_nominal", "peak_memory_bytes"}
+PROGRESS = ("tracing ", "searching ")
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    """30 steps on this process, logged every 5: (exit code, stdout, metrics records)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    metrics = tmp_path_factory.mktemp("single") / "m.jsonl"
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(["run", *TRAIN, "--cluster", "local", "--steps", "30", "--log-every", "5",
+                     "--metrics", str(metrics)])
+    assert code == 0, err.getvalue()
+    return out.getvalue(), _records(metrics)
+
+
+def test_one_process_trains_and_writes_metrics(single_run):
+    out, records = single_run
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]  # 30 steps / --log-every 5
+    for record in records:
+        assert KEYS <= set(record)
+        assert record["tokens_per_s"] > 0 and record["mfu"] > 0
+        assert record["mfu_nominal"] is True and record["peak_memory_bytes"] == 0  # CPU: nominal peak, no CUDA
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.3, losses  # the synthetic stream is learnable: the loss really falls
+    assert "synthetic" in out and "dp=1 tp=1 pp=1" in out
+    assert sum(line.startswith("step ") for line in out.splitlines()) == 6
+    assert not dist.is_initialized()  # the group the run made for itself is gone
+
+
+def test_torchrun_two_processes_data_parallel_matches_one_process(single_run, tmp_path):
+    _, records = single_run
+    metrics = tmp_path / "m.jsonl"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "autopar", "run", *TRAIN, "--cluster", "local",
+         "--strategy", "dp=2", "--steps", "5", "--log-every", "5", "--metrics", str(metrics)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dp=2 tp=1 pp=1" in done.stdout and "2 process(es)" in done.stdout
+    assert done.stdout.count("step      5") == 1  # rank 0 alone logs
+    (record,) = _records(metrics)
+    assert record["step"] == 5
+    # same init and the same synthetic batches, the batch split over two ranks: the same loss after 5 steps
+    assert record["loss"] == pytest.approx(records[0]["loss"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def world2_plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plans") / "world2.json"
+    code = main(["plan", *MODEL, "--cluster", "dgx-h100", "--gpus", "2", "--global-batch", "4", "--precision", "fp32",
+                 "--strategy", "dp=2", "--save-plan", str(path)])
+    assert code == 0 and path.is_file()
+    return path
+
+
+def _one_line_error(capsys, argv, *words):
+    code = main(argv)
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip() and not line.startswith(PROGRESS)]
+    assert code == 2, captured.err
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("autopar: error: ") and "Traceback" not in captured.err
+    for word in words:
+        assert word in lines[0]
+    assert not dist.is_initialized()
+
+
+def test_bad_inputs_are_one_line_exit_2_and_write_nothing(capsys, tmp_path, world2_plan):
+    metrics = tmp_path / "m.jsonl"
+    common = ["--steps", "2", "--metrics", str(metrics)]
+    cases = [
+        (["run", *MODEL, "--plan", str(tmp_path / "missing.json"), *common], ["missing.json", "not found"]),
+        (["run", *TRAIN, "--cluster", "local", "--steps", "0", "--metrics", str(metrics)], ["--steps", "at least 1"]),
+        (["run", *MODEL, "--plan", str(world2_plan), *common], ["needs 2 processes", "torchrun"]),
+        (["run", *MODEL, "--plan", str(world2_plan), "--global-batch", "6", *common], ["plan needs", "= 4"]),
+        (["run", *MODEL, "--plan", str(world2_plan), "--strategy", "tp=2", *common], ["disagrees", "tp=1"]),
+        (["run", "--model", "gpt-9000", "--cluster", "local", "--global-batch", "4", *common], ["unknown model"]),
+        (["run", *TRAIN, "--cluster", "local", "--strategy", "dp=2", *common], ["does not divide the world size 1"]),
+        (["run", *MODEL, "--cluster", "local", "--global-batch", "3", "--strategy", "microbatch=2", *common],
+         ["not divisible"]),
+        (["run", *MODEL, "--plan", str(world2_plan), "--model-config", "layers=3,hidden=32,heads=4,vocab=64,seq_len=16",
+          *common], ["fingerprint"]),
+    ]
+    for argv, words in cases:
+        _one_line_error(capsys, argv, *words)
+        assert not metrics.exists(), argv
+
+
+def test_dry_run_prints_the_plan_and_trains_nothing(capsys, tmp_path, world2_plan):
+    metrics = tmp_path / "m.jsonl"
+    code = main(["run", *MODEL, "--plan", str(world2_plan), "--steps", "5", "--dry-run", "--metrics", str(metrics)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "dp=2 tp=1 pp=1" in out and "pp=1 x dp=2 x tp=1" in out
+    assert "predicted step" in out and "GiB" in out and "nothing trained" in out
+    assert "plan is for 2 processes" in out  # this launch has one
+    assert not metrics.exists() and not dist.is_initialized()
