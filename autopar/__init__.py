@@ -13,4 +13,13 @@ except PackageNotFoundError:  # running from a source tree without installing
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph import OpGraph, model_fingerprint, trace
 
-__all__ = ["__version__", "AutoparError", "CaptureError", "OpGraph", "trace", "model_fingerprint"]
+
+
+def parallelize(model, plan, **kwargs):
+    """Shard `model` as `plan` says on the running process group (see runtime.parallelize)."""
+    from runtime.parallelize import parallelize as _parallelize  # torch.distributed only when asked for
+
+    return _parallelize(model, plan, **kwargs)
+
+
+__all__ = ["__version__", "AutoparError", "CaptureError", "OpGraph", "trace", "model_fingerprint", "parallelize"]

@@ -8,6 +8,7 @@ together with the runtime code and tests that realize it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from autopar.plan import Strategy
 
@@ -22,6 +23,11 @@ class Capabilities:
     # Pipeline stages that are themselves tensor-parallel: torch's stage-to-stage metadata exchange
     # fails on gloo (received-size mismatch) in our runs; off until a parity test passes.
     pipeline_with_tensor_parallel: bool = False
+    # Whether the runtime realizes per-parameter tp placements (of the model being planned): given
+    # {parameter: "R" | "S(d)"}, None or the reason it cannot. The intra-op ILP's solutions are kept
+    # only when this accepts them; None means no model is at hand and the ILP's placements are
+    # trusted (what-if studies, benchmarks).
+    check_placements: Callable[[dict[str, str]], str | None] | None = None
 
     def supports(self, strategy: Strategy) -> str | None:
         """None when the runtime can execute `strategy`, else the reason it cannot."""

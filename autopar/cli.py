@@ -163,7 +163,10 @@ def _plan(args: argparse.Namespace) -> int:
                         kv_heads=config.num_kv_heads if config else None, vocab=config.vocab if config else None)
     efficiency = _calibration(args, graph, cluster) if args.profile else None
     print(f"searching {cluster.world_size} GPUs ...", file=sys.stderr, flush=True)
+    from runtime.tensor_parallel import capabilities_for
+
     result = search(graph, facts, cluster, args.global_batch, fixed=fixed, use_ilp=not args.no_ilp,
+                    capabilities=capabilities_for(spec.module),
                     **({"efficiency": efficiency} if efficiency else {}))
     chosen = result.best or result.ranked[0]
     plan = build_plan(chosen, graph, facts, cluster) if result.best else None

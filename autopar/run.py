@@ -198,6 +198,7 @@ def _search(spec, cluster, fixed: dict[str, Any], global_batch: int, seq_len: in
     from cost_models.facts import model_facts
     from cost_models.whatif import _check_fixed_degrees
     from searcher.plan_builder import build_plan
+    from runtime.tensor_parallel import capabilities_for
     from searcher.search import search
 
     _check_fixed_degrees(fixed, cluster.world_size)  # before the trace
@@ -210,7 +211,7 @@ def _search(spec, cluster, fixed: dict[str, Any], global_batch: int, seq_len: in
     facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab)
     if say:
         print(f"searching a plan for {cluster.world_size} process(es) ...", file=sys.stderr, flush=True)
-    result = search(graph, facts, cluster, global_batch, fixed=fixed)
+    result = search(graph, facts, cluster, global_batch, fixed=fixed, capabilities=capabilities_for(spec.module))
     if result.best is None:
         closest = result.ranked[0].evaluation
         raise AutoparError(

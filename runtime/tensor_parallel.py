@@ -16,11 +16,14 @@ What the runtime realizes, per module:
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 
+from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities
 from autopar.errors import AutoparError
 from autopar.plan import parse_placements
 
@@ -35,6 +38,12 @@ def default_head_path(model: nn.Module) -> str | None:
     """The Linear that produces the logits: the last Linear in module order."""
     linears = [path for path, module in model.named_modules() if isinstance(module, nn.Linear)]
     return linears[-1] if linears else None
+
+
+def capabilities_for(model: nn.Module) -> Capabilities:
+    """The runtime's capability table, with the placement check bound to `model` (for the searcher)."""
+    return dataclasses.replace(RUNTIME_CAPABILITIES,
+                               check_placements=lambda placements: check_tp_placements(model, placements, sp=False))
 
 
 def check_tp_placements(model: nn.Module, placements: dict[str, str], sp: bool) -> str | None:

@@ -63,6 +63,7 @@ class SearchResult:
     search_s: float
     ilp_variables: int = 0
     ilp_solve_s: float = 0.0
+    ilp_refused: int = 0  # ILP solutions the runtime could not execute (the propagation's plan stood)
 
 
 def search(
@@ -85,7 +86,7 @@ def search(
                                                efficiency=efficiency, supports=capabilities.supports)
     quick.sort(key=_rank_key)
 
-    refiner = _Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed)
+    refiner = _Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities)
     ranked = [refiner.refine(e.strategy) for e in quick[:REFINE_TOP]]
     ranked.sort(key=lambda c: _rank_key(c.evaluation))
     best = ranked[0] if ranked[0].evaluation.fits else None
@@ -93,7 +94,7 @@ def search(
     return SearchResult(
         best=best, ranked=ranked[:top_k], why_not=why_not, candidates=count, rejected=rejected,
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,
-        ilp_solve_s=refiner.ilp_solve_s,
+        ilp_solve_s=refiner.ilp_solve_s, ilp_refused=refiner.ilp_refused,
     )
 
 
@@ -107,8 +108,10 @@ def _rank_key(evaluation: Evaluation) -> tuple:
 class _Refiner:
     """Intra-op ILP per distinct unit (cached: layer instances share one solve) and the inter-op DP."""
 
-    def __init__(self, graph, facts, cluster, global_batch, efficiency, use_ilp, fixed) -> None:
+    def __init__(self, graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities) -> None:
         self.graph, self.facts, self.cluster = graph, facts, cluster
+        self.capabilities = capabilities
+        self.ilp_refused = 0
         self.fixed = fixed
         self.global_batch, self.efficiency = global_batch, efficiency
         self.use_ilp = use_ilp
@@ -147,6 +150,12 @@ class _Refiner:
         if strategy.sp and self.fixed.get("sp"):  # the user asked for Megatron sequence parallelism
             return candidates[0]
         units, op_placements, param_placements = self.units_for(strategy)
+        check = self.capabilities.check_placements
+        planned = {name: f"S({dim})" for name, dim in self.facts.param_tp_dims.items()}  # as plan_builder fills in
+        planned.update(param_placements)
+        if op_placements and check is not None and check(executed_tp_placements(planned)) is not None:
+            self.ilp_refused += 1  # the runtime could not run these placements: keep the propagation's plan
+            return candidates[0]
         if op_placements:
             # The ILP places every op itself (sequence sharding included), so the blanket
             # sequence-parallel discount of the propagation model must not apply on top.
@@ -202,6 +211,16 @@ class _Refiner:
         if bounds is None:
             return None
         return [list(facts.units[a:b]) for a, b in bounds]
+
+
+def executed_tp_placements(param_placements: dict[str, str]) -> dict[str, str]:
+    """Tp placements as the runtime executes them: a column-parallel Linear's bias splits with its
+    weight (what `plan_builder` writes too)."""
+    placements = dict(param_placements)
+    for name, placement in param_placements.items():
+        if name.endswith(".weight") and placement == "S(0)":
+            placements[name.removesuffix(".weight") + ".bias"] = "S(0)"
+    return placements
 
 
 def _renamed(ops, unit: Unit):

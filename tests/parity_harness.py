@@ -42,6 +42,7 @@ def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_ba
     from autopar.models import build_model
     from cost_models.facts import model_facts
     from searcher.plan_builder import build_plan
+    from runtime.tensor_parallel import capabilities_for
     from searcher.search import search
 
     spec = build_model(model, overrides)
@@ -49,7 +50,8 @@ def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_ba
                   seq_len=spec.config.seq_len)
     facts = model_facts(graph, heads=spec.config.heads, kv_heads=spec.config.num_kv_heads, vocab=spec.config.vocab)
     cluster = load_cluster("dgx-h100", gpus=world)
-    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp)
+    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp,
+                    capabilities=capabilities_for(spec.module))
     chosen = result.best or result.ranked[0]
     for key, value in strategy.items():
         assert getattr(chosen.strategy, key) == value, (key, chosen.strategy)

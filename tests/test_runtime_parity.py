@@ -106,3 +106,31 @@ def test_pipeline_with_tensor_parallel_is_refused_before_any_collective():
     spec = build_model("gpt", tiny_config())
     with pytest.raises(AutoparError, match="cannot run"):
         parallelize(spec.module, forged, loss_fn=spec.loss_fn)
+
+
+def test_intra_op_ilp_plan_runs_as_planned():
+    """With the ILP on, the searcher keeps only placements the runtime executes, and they train like one process."""
+    strategy = dict(dp=1, tp=2, pp=1, microbatch=4)
+    data = batches(tiny_config()["vocab"], GLOBAL_BATCH, SEQ, STEPS)
+    plan = make_plan("gpt", tiny_config(), strategy, 2, GLOBAL_BATCH, use_ilp=True)
+    assert plan.op_placements, "the ILP's placements were expected in the plan"
+    results = run_plans(2, [dict(plan=plan.to_json(), model="gpt", overrides=tiny_config(), data=data)])
+    losses, state = reference_run("gpt", tiny_config(), data)
+    _check(strategy, plan, results[0], losses, state)
+
+
+def test_placement_check_names_what_the_runtime_cannot_chain():
+    from autopar.models import build_model
+    from runtime.tensor_parallel import capabilities_for, check_tp_placements
+
+    module = build_model("gpt", tiny_config()).module
+    check = capabilities_for(module).check_placements
+    megatron = {"layers.0.attn.q_proj.weight": "S(0)", "layers.0.attn.q_proj.bias": "S(0)",
+                "layers.0.attn.k_proj.weight": "S(0)", "layers.0.attn.k_proj.bias": "S(0)",
+                "layers.0.attn.v_proj.weight": "S(0)", "layers.0.attn.v_proj.bias": "S(0)",
+                "layers.0.attn.out_proj.weight": "S(1)"}
+    assert check(megatron) is None
+    assert check({}) is None  # all replicated
+    assert "mixes tensor-parallel linears" in check({**megatron, "layers.0.attn.out_proj.weight": "R"})
+    assert "bias" in check({**megatron, "layers.0.attn.q_proj.bias": "R"})
+    assert "only Linear and Embedding" in check_tp_placements(module, {"layers.0.ln1.weight": "S(0)"}, sp=False)
