@@ -44,7 +44,7 @@ class ParallelModel:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     precision: str
     schedule: object | None = None
-    tied_groups: list[tuple[str, dist.ProcessGroup, int]] = field(default_factory=list)
+    tied_groups: list[tuple[str, dist.ProcessGroup, list[int]]] = field(default_factory=list)  # (alias, group, pp ranks)
     vocab_parallel_loss: bool = False
     canonical: dict[str, str] = field(default_factory=dict)  # alias of a tied weight -> its first name
 
@@ -269,9 +269,9 @@ def _tied_groups(model: nn.Module, plan: Plan, layout: RankLayout) -> list[tuple
     for index in layout.stage_indices:
         for path in next(st.module_paths for st in plan.stages if st.index == index):
             local_names.add(path)
+    by_name = dict(model.named_parameters())
     for name, pp_ranks in tied_pp_ranks(model, plan).items():
-        aliases = [n for n, p in model.named_parameters(remove_duplicate=False)
-                   if p is dict(model.named_parameters())[name]]
+        aliases = [n for n, p in model.named_parameters(remove_duplicate=False) if p is by_name[name]]
         mine = None
         for position in range(stage_size):  # every rank creates every group, in the same order
             ranks = [r * stage_size + position for r in pp_ranks]

@@ -115,7 +115,7 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
             weight = own.get("weight", "R")
             if weight == "S(0)":
                 styles[path] = RowwiseParallel(input_layouts=Replicate(),
-                                               output_layouts=Shard(_sequence_dim(path, model)) if sp else Replicate())
+                                               output_layouts=Shard(_sequence_dim(path)) if sp else Replicate())
             elif weight == "S(1)":
                 if sp:
                     raise AutoparError(f"{path}: a hidden-sharded embedding (S(1)) with sequence parallelism is not "
@@ -177,7 +177,7 @@ class _BlockInput(ParallelStyle):
         return module
 
 
-def _sequence_dim(path: str, model: nn.Module) -> int:
+def _sequence_dim(path: str) -> int:
     """Position tables are looked up by a 1-D index: their output's sequence dimension is 0."""
     return 0 if "pos" in path.rsplit(".", 1)[-1] else 1
 
