@@ -20,9 +20,6 @@ class Capabilities:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: bool = True
     max_vp: int = 8
-    # Pipeline stages that are themselves tensor-parallel: torch's stage-to-stage metadata exchange
-    # fails on gloo (received-size mismatch) in our runs; off until a parity test passes.
-    pipeline_with_tensor_parallel: bool = False
     # Whether the runtime realizes per-parameter tp placements (of the model being planned): given
     # {parameter: "R" | "S(d)"}, None or the reason it cannot. The intra-op ILP's solutions are kept
     # only when this accepts them; None means no model is at hand and the ILP's placements are
@@ -39,8 +36,6 @@ class Capabilities:
             return f"the runtime has no {strategy.recompute} recompute"
         if strategy.sp and not self.sequence_parallel:
             return "the runtime has no sequence parallelism"
-        if strategy.pp > 1 and strategy.tp > 1 and not self.pipeline_with_tensor_parallel:
-            return "the runtime does not yet run tensor-parallel pipeline stages (pp>1 with tp>1)"
         if strategy.vp > self.max_vp:
             return f"the runtime runs at most {self.max_vp} virtual stages per rank"
         return None

@@ -112,6 +112,8 @@ class ParallelModel:
     def sync_gradients(self) -> None:
         """What the step adds after backward: tied weights across stages, then replicated dp gradients."""
         named = self.named_parameters()
+        for param in named.values():
+            _match_gradient_placements(param)
         for name, group, _ in self.tied_groups:
             grad = named[name].grad
             if grad is not None:
@@ -184,6 +186,18 @@ class ParallelModel:
         collective over the stage mesh)."""
         return {self.canonical.get(name, name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
                 for name, p in self.named_parameters().items()}
+
+
+def _match_gradient_placements(param: torch.Tensor) -> None:
+    """Give a DTensor gradient its parameter's placements.
+
+    A vocabulary-parallel embedding's weight gradient comes back replicated (DTensor's embedding
+    backward computes it whole on every tp rank); slicing it to the weight's shards costs no
+    communication, and the tied-weight sum across pipeline ranks then adds matching shards.
+    """
+    grad = param.grad
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def _local_value(tensor: torch.Tensor) -> torch.Tensor:

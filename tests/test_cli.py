@@ -192,13 +192,12 @@ PLAN_SMALL = ["plan", *SMALL, "--seq-len", "32", "--global-batch", "16", "--clus
 
 
 def test_plan_json_contract(capsys):
-    # pp x tp is not executable yet (autopar/capabilities.py), so the full contract uses pp x dp.
-    code, out, _ = run(capsys, *PLAN_SMALL, "--strategy", "tp=1,pp=2,dp=4,microbatch=1,zero=1,recompute=full,"
+    code, out, _ = run(capsys, *PLAN_SMALL, "--strategy", "tp=2,pp=2,dp=2,microbatch=1,zero=1,recompute=full,"
                        "schedule=1f1b,vp=1,sp=false", "--json", "-")
     assert code == 0
     result = json.loads(out)
-    assert result["strategy"] == {"dp": 4, "tp": 1, "pp": 2, "sp": False, "zero": 1, "recompute": "full",
-                                  "microbatch": 1, "num_microbatches": 4, "schedule": "1f1b", "vp": 1}
+    assert result["strategy"] == {"dp": 2, "tp": 2, "pp": 2, "sp": False, "zero": 1, "recompute": "full",
+                                  "microbatch": 1, "num_microbatches": 8, "schedule": "1f1b", "vp": 1}
     assert result["fits"] is True
     predicted = result["predicted"]
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes"):

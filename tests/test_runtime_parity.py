@@ -81,6 +81,7 @@ WORLD4_GPT = [
     dict(dp=2, tp=2, pp=1, sp=True, zero=3, microbatch=2),
     dict(dp=2, tp=1, pp=2, schedule="1f1b", zero=0, microbatch=2),
     dict(dp=2, tp=1, pp=2, schedule="gpipe", zero=1, microbatch=2),
+    dict(dp=1, tp=2, pp=2, schedule="1f1b", sp=True, zero=0, microbatch=2),
 ]
 
 
@@ -90,21 +91,30 @@ def test_world4_gpt_combinations():
         _check(strategy, plan, ranks, losses, state)
 
 
-def test_pipeline_with_tensor_parallel_is_refused_before_any_collective():
-    """pp x tp is not executable yet (see autopar/capabilities.py): the searcher never offers it and
-    the runtime names the problem in one line instead of hanging."""
-    from autopar.capabilities import RUNTIME_CAPABILITIES
+WORLD8_GPT = [
+    dict(dp=2, tp=2, pp=2, schedule="1f1b", sp=True, zero=1, microbatch=1),
+    dict(dp=2, tp=2, pp=2, schedule="interleaved", vp=2, sp=False, zero=3, microbatch=1, recompute="full"),
+]
+
+
+@pytest.mark.slow
+def test_world8_gpt_pipeline_data_tensor_parallel():
+    plans, results, losses, state = _cases("gpt", tiny_config(), WORLD8_GPT, world=8)
+    for strategy, plan, ranks in zip(WORLD8_GPT, plans, results):
+        _check(strategy, plan, ranks, losses, state)
+
+
+def test_a_plan_outside_the_capability_table_is_refused_before_any_collective():
+    """The searcher never offers what the table lacks; a forged plan gets one line, not a hang."""
     from autopar.errors import AutoparError
     from autopar.models import build_model
-    from autopar.plan import Strategy
     from runtime.parallelize import parallelize
 
-    plan = make_plan("gpt", tiny_config(), dict(dp=1, tp=2, pp=1, microbatch=2), 2, GLOBAL_BATCH)
-    strategy = Strategy(dp=1, tp=2, pp=2, microbatch=2, num_microbatches=4)
-    assert "tensor-parallel pipeline" in RUNTIME_CAPABILITIES.supports(strategy)
-    forged = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"pp": 2})})
+    plan = make_plan("gpt", tiny_config(), dict(dp=1, tp=1, pp=2, schedule="interleaved", vp=2, microbatch=2), 2,
+                     GLOBAL_BATCH)
+    forged = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"vp": 16})})
     spec = build_model("gpt", tiny_config())
-    with pytest.raises(AutoparError, match="cannot run"):
+    with pytest.raises(AutoparError, match="cannot run: the runtime runs at most 8 virtual stages"):
         parallelize(spec.module, forged, loss_fn=spec.loss_fn)
 
 

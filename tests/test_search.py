@@ -3,7 +3,6 @@ the plan file it writes, and golden plans."""
 
 import pytest
 
-from autopar.capabilities import Capabilities
 
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
@@ -82,9 +81,7 @@ def test_no_plan_fits_is_reported_not_raised():
 def test_plan_file_describes_the_searched_plan(small, tmp_path):
     graph, facts = small
     cluster = load_cluster("dgx-h100", gpus=8)
-    # The searcher's own logic, with pp x tp allowed although the runtime cannot run it yet.
-    result = search(graph, facts, cluster, 32, fixed={"tp": 2, "pp": 2}, use_ilp=False,
-                    capabilities=Capabilities(pipeline_with_tensor_parallel=True))
+    result = search(graph, facts, cluster, 32, fixed={"tp": 2, "pp": 2}, use_ilp=False)
     plan = build_plan(result.best, graph, facts, cluster)
     again = Plan.model_validate_json(plan.model_dump_json())
     assert again == plan
