@@ -111,6 +111,15 @@ class Strategy(_Record):
         return self
 
 
+class CollectiveRecord(_Record):
+    """Collectives of one kind over one mesh axis in a step (see cost_models.collectives)."""
+
+    axis: str  # pp | dp | tp | world
+    kind: str  # all_reduce | all_gather | reduce_scatter | send | recv | ...
+    calls: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+
+
 class PredictedMetrics(_Record):
     """What the cost model expects, kept so a run can be compared with its prediction."""
 
@@ -120,6 +129,8 @@ class PredictedMetrics(_Record):
     mfu: float = Field(ge=0, le=1)
     peak_memory_bytes: list[Annotated[int, Field(ge=0)]]  # one per pipeline rank (virtual stages share it)
     breakdown: dict[str, Annotated[float, Field(ge=0)]] = {}  # seconds: compute, exposed_communication, ...
+    # One list per pipeline rank: what a training step sends (gradient clipping on).
+    collectives: list[list[CollectiveRecord]] = []
 
 
 def _iso_timestamp(text: str) -> str:

@@ -67,8 +67,8 @@ def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp: 
         return sum(op_time_s(op, gpu, dtype, batch=batch, tp=tp, sp=sp, efficiency=efficiency)
                    for op in ops if kinds is None or op.kind in kinds)
 
-    forward_reduce = [op.reduce_bytes * batch for op in unit.forward_ops if op.reduce_bytes]
-    backward_reduce = [op.reduce_bytes * batch for op in unit.backward_ops if op.reduce_bytes]
+    forward_reduce = [op.reduce_bytes_for(batch) for op in unit.forward_ops if op.reduce_bytes]
+    backward_reduce = [op.reduce_bytes_for(batch) for op in unit.backward_ops if op.reduce_bytes]
     return UnitTime(
         forward_s=total(unit.forward_ops),
         backward_s=total(unit.backward_ops),

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from autopar.cluster import ClusterSpec
 from autopar.plan import Strategy
+from cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
+                                     sequence_parallel_gradient_reductions, tied_across_ranks)
 from cost_models.communication import collective_time_s, group_layout
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, UnitTime, unit_time
 from cost_models.facts import ModelFacts, Unit
@@ -115,7 +117,9 @@ def evaluate(
             backward_comm += reduce_time(t.backward_reduce_bytes, t.backward_reduces, t.backward_collectives)
             full = unit_activation_bytes(unit, b, s.tp, s.sp, "none")
             if unit.layer_type is not None and s.recompute == "full":
-                recompute_extra += t.forward_s + unit_forward_comm
+                repeated = recomputed_reductions(unit, b, s.sp) if s.tp > 1 else []
+                recompute_extra += t.forward_s + sum(times * collective_time_s(kind, size, tp_layout, cluster)
+                                                     for kind, size, times in repeated)
                 largest_full_layer = max(largest_full_layer, full)
             elif unit.layer_type is not None and s.recompute == "selective":
                 recompute_extra += t.forward_vector_s
@@ -129,7 +133,7 @@ def evaluate(
         if s.zero >= 3 and s.dp > 1:
             stage_weight_bytes = sum(u.sharded_params / s.tp + u.params - u.sharded_params for u in units) * per.weight
             gather = collective_time_s("all_gather", stage_weight_bytes, dp_layout, cluster)
-            scatter = collective_time_s("reduce_scatter", stage_weight_bytes / per.weight * per.gradient,
+            scatter = collective_time_s("reduce_scatter", stage_weight_bytes / per.weight * GRADIENT_REDUCE_BYTES,
                                         dp_layout, cluster)
             first = gather / max(len(units), 1)
             zero3_forward = max(gather - forward, first)
@@ -139,6 +143,9 @@ def evaluate(
         stage_costs.append(StageCost(index, rank, tuple(u.name for u in units), f, bw, activations, largest_full_layer))
         compute_parts.append((forward + backward, recompute_extra,
                               forward_comm + backward_comm + zero3_forward + zero3_backward))
+
+    for rank, tied in enumerate(tied_across_ranks(stages_units, s.pp, s.tp)):
+        rank_params[rank] += sum(elements for _, elements in tied["copies"])  # a tied head's copy of the embedding
 
     boundary_bytes = max((u[0].input_bytes for u in stages_units[1:] if u), default=0.0) * b / (s.tp if s.sp else 1)
     p2p = collective_time_s("send_recv", boundary_bytes, pp_layout, cluster) if s.pp > 1 else 0.0
@@ -152,7 +159,7 @@ def evaluate(
     dp_exposed = []
     optimizer = []
     for rank in range(s.pp):
-        grad_bytes = rank_params[rank] * per.gradient
+        grad_bytes = rank_params[rank] * GRADIENT_REDUCE_BYTES
         exposed = 0.0
         if s.dp > 1 and s.zero < 3:
             reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce", grad_bytes, dp_layout, cluster)
@@ -161,6 +168,9 @@ def evaluate(
             exposed = max(reduce - window, reduce / buckets)
             if s.zero >= 1:  # updated weight shards are gathered after the step: nothing to hide it behind
                 exposed += collective_time_s("all_gather", rank_params[rank] * per.weight, dp_layout, cluster)
+        rank_units = [u for c, units in zip(stage_costs, stages_units) if c.rank == rank for u in units]
+        exposed += sum(calls * collective_time_s("all_reduce", size, tp_layout, cluster)
+                       for size, calls in sequence_parallel_gradient_reductions(rank_units, s))
         updated = rank_params[rank] / (s.dp if s.zero >= 1 else 1)
         step = updated * OPTIMIZER_BYTES_PER_PARAM / (gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
         dp_exposed.append(exposed)

@@ -43,6 +43,12 @@ class OpFacts:
     # Other tp-group collectives this op needs first (kind, bytes per sample), e.g. the all-gather
     # or all-to-all an intra-op sharding plan inserts; empty for the Megatron-style propagation.
     collectives: tuple[tuple[str, float], ...] = ()
+    # reduce_bytes is per micro-batch, not per sample: a lookup without a batch dimension (a
+    # position table indexed by positions) reduces the same rows whatever the batch.
+    reduce_per_microbatch: bool = False
+
+    def reduce_bytes_for(self, batch: int) -> float:
+        return self.reduce_bytes if self.reduce_per_microbatch else self.reduce_bytes * batch
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,13 @@ class Unit:
     params: int  # parameters owned (tied ones counted where first read)
     sharded_params: int  # of which tp shards
     input_bytes: float  # per sample: the activation entering the unit (what a pipeline send moves)
+    # Replicated weights read by elementwise ops (norms): under sequence parallelism they see a
+    # sequence shard, so their gradients are summed over tp once per step.
+    sequence_parallel_params: int = 0
+    sequence_parallel_tensors: int = 0
+    # Tied weights this unit reads but another unit owns: (owner unit, elements, tp-sharded). A
+    # pipeline rank that holds this unit without the owner keeps a copy (and syncs its gradient).
+    borrowed: tuple[tuple[str, int, bool], ...] = ()
     # Memo of derived costs (keyed by their arguments): a search costs each unit thousands of times.
     memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
@@ -118,22 +131,43 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
         for name in node.params:
             owner.setdefault(name, unit_of[node.name])
     first_input = _unit_input_bytes(graph, unit_of, per_sample)
+    elementwise_read = {p for node in graph.nodes if node.phase == "forward"
+                        and _packet(node) not in _CONTRACTIONS and _packet(node) != "embedding" for p in node.params}
+    tp_dims = _param_tp_dims(graph, status, sharded)
+    counted = sharded | _column_biases(graph, tp_dims)  # what the runtime divides over tp
+    read_by: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        if node.phase == "forward":
+            for name in node.params:
+                read_by.setdefault(unit_of[node.name], set()).add(name)
     units = tuple(
         Unit(
             name=name,
             layer_type=layer_type_of.get(name),
             ops=tuple(ops_by_unit[name]),
             params=sum(params[p].numel for p, u in owner.items() if u == name),
-            sharded_params=sum(params[p].numel for p, u in owner.items() if u == name and p in sharded),
+            sharded_params=sum(params[p].numel for p, u in owner.items() if u == name and p in counted),
             input_bytes=first_input.get(name, 0.0),
+            sequence_parallel_params=sum(params[p].numel for p, u in owner.items()
+                                         if u == name and p not in sharded and p in elementwise_read),
+            sequence_parallel_tensors=sum(1 for p, u in owner.items()
+                                          if u == name and p not in sharded and p in elementwise_read),
+            borrowed=tuple((owner[p], params[p].numel, p in counted)
+                           for p in sorted(read_by.get(name, ())) if owner[p] != name),
         )
         for name in order
     )
     return ModelFacts(
         model_name=graph.model_name, precision=graph.precision, seq_len=graph.seq_len or 1, units=units,
         num_params=graph.num_params, heads=heads, kv_heads=kv_heads, vocab=vocab,
-        param_tp_dims=_param_tp_dims(graph, status, sharded),
+        param_tp_dims=tp_dims,
     )
+
+
+def _column_biases(graph: OpGraph, tp_dims: dict[str, int]) -> set[str]:
+    """Biases of column-parallel weights: split with the output features (the runtime shards them)."""
+    return {p.name for p in graph.params if len(p.shape) == 1 and p.name.endswith(".bias")
+            and tp_dims.get(p.name.removesuffix(".bias") + ".weight") == 0}
 
 
 def _packet(node: OpNode) -> str:
@@ -161,6 +195,7 @@ def _propagate(graph: OpGraph, sharded: set[str]) -> dict[str, tuple[str, float]
         status[f"param:{p.name}"] = "S" if p.name in sharded else "R"
     result: dict[str, tuple[str, float]] = {}
     reduced: set[str] = set()
+    root: dict[str, str] = {}  # a view -> the tensor it views
 
     def get(name: str) -> str:
         return status.get(name, "R")
@@ -174,14 +209,17 @@ def _propagate(graph: OpGraph, sharded: set[str]) -> dict[str, tuple[str, float]
             nonlocal reduce_bytes
             for i in which:
                 if i < len(names) and arg_status[i] == "P":
-                    if names[i] not in reduced and i < len(node.input_meta):
+                    key = root.get(names[i], names[i])  # views of one partial sum share one reduction
+                    if key not in reduced and i < len(node.input_meta):
                         reduce_bytes += node.input_meta[i].bytes
-                        reduced.add(names[i])
+                        reduced.add(key)
                     arg_status[i] = "R"
 
         packet = _packet(node)
         if node.is_view:
             out = arg_status[0] if arg_status else "R"
+            if names:
+                root[node.name] = root.get(names[0], names[0])
         elif packet in _CONTRACTIONS and len(arg_status) >= max(_CONTRACTIONS[packet]) + 1:
             a, b = _CONTRACTIONS[packet]
             pair = (arg_status[a], arg_status[b])
@@ -198,8 +236,13 @@ def _propagate(graph: OpGraph, sharded: set[str]) -> dict[str, tuple[str, float]
             else:
                 out = "R"
         elif packet == "embedding":
-            out = "P" if arg_status and arg_status[0] == "S" else "R"
+            # A vocabulary-parallel lookup leaves partial rows; the runtime reduces each lookup's
+            # output right away (not once for a sum of lookups), so the reduction is charged here.
+            out = "R"
+            if arg_status and arg_status[0] == "S" and node.output_meta:
+                reduce_bytes += node.output_meta[0].bytes
         elif packet == "embedding_dense_backward":
+            reduce_inputs(list(range(len(arg_status))))  # each vocabulary shard needs the whole gradient
             out = "S" if sharded else "R"
         elif _is_attention(node):
             reduce_inputs(list(range(len(arg_status))))
@@ -236,11 +279,12 @@ def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sampl
     # Split work: a sharded result, or a contraction whose partial sums each rank computes a share
     # of. An elementwise op on partial sums (adding two of them) is full-size work on every rank.
     sharded = out == "S" or (out == "P" and kind in ("matmul", "attention"))
+    unbatched = _packet(node) == "embedding" and bool(node.output_meta) and len(node.output_meta[0].shape) == 2
     return OpFacts(
         name=node.name, phase=node.phase, kind=kind, flops=node.flops * per_sample,
         activation_bytes=moved * per_sample, weight_bytes=weight, tp_sharded=sharded,
-        reduce_bytes=reduce_bytes * per_sample, saved_bytes=node.saved_bytes * per_sample,
-        saved_sharded=out == "S",
+        reduce_bytes=reduce_bytes if unbatched else reduce_bytes * per_sample,
+        saved_bytes=node.saved_bytes * per_sample, saved_sharded=out == "S", reduce_per_microbatch=unbatched,
     )
 
 

@@ -33,14 +33,20 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, block_paths: li
     fully_shard(model, **options)
 
 
-def set_gradient_sync(modules: list[nn.Module], enabled: bool) -> None:
+def set_microbatch_boundary(modules: list[nn.Module], zero: int, last: bool) -> None:
+    """Before a micro-batch's backward: what FSDP does at its end.
+
+    ZeRO 1 reduce-scatters gradients only after the last micro-batch (ZeRO 2/3 every one, which is
+    what keeps their gradients sharded); ZeRO 1/2 keep the gathered weights until the last
+    micro-batch (one all-gather per step, as torch's pipeline schedules also do, and as their
+    memory model holds the full weights); ZeRO 3 frees them after every backward.
+    """
     for module in modules:
         if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(enabled)
-
-
-def fsdp_syncs_every_microbatch(zero: int) -> bool:
-    return zero >= 2
+            if zero < 2:
+                module.set_requires_gradient_sync(last)
+            if zero < 3:
+                module.set_reshard_after_backward(last)
 
 
 def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, size: int) -> None:

@@ -24,8 +24,7 @@ from autopar.capabilities import RUNTIME_CAPABILITIES
 from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan import Plan
-from runtime.data_parallel import (all_reduce_gradients, apply_fsdp, fsdp_syncs_every_microbatch,
-                                   set_gradient_sync)
+from runtime.data_parallel import all_reduce_gradients, apply_fsdp, set_microbatch_boundary
 from runtime.init import InitSource, materialize
 from runtime.mesh import RankLayout, build_layout
 from runtime.pipeline import build_schedule, check_stage_cover, stage_module, tied_pp_ranks
@@ -101,8 +100,8 @@ class ParallelModel:
             micro = local.chunk(s.num_microbatches)
             for index, x in enumerate(micro):
                 last = index == len(micro) - 1
-                if fsdp and not fsdp_syncs_every_microbatch(s.zero):
-                    set_gradient_sync([module, *module.modules()], last)
+                if fsdp:
+                    set_microbatch_boundary(list(module.modules()), s.zero, last)
                 with autocast(self.precision, self.layout.device, fsdp):
                     loss = self.loss_fn(module(x), x)
                 (loss / s.num_microbatches).backward()
@@ -112,6 +111,7 @@ class ParallelModel:
     def sync_gradients(self) -> None:
         """What the step adds after backward: tied weights across stages, then replicated dp gradients."""
         named = self.named_parameters()
+        _sum_partial_gradients(list(named.values()))
         for param in named.values():
             _match_gradient_placements(param)
         for name, group, _ in self.tied_groups:
@@ -186,6 +186,37 @@ class ParallelModel:
         collective over the stage mesh)."""
         return {self.canonical.get(name, name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
                 for name, p in self.named_parameters().items()}
+
+
+def _sum_partial_gradients(params: list[torch.Tensor]) -> None:
+    """Sum the partial gradients of replicated weights in one all-reduce per mesh dimension.
+
+    Under sequence parallelism a norm's weight sees one sequence shard per tp rank, so its gradient
+    is a partial sum over tp; summing them one by one would cost a call per weight (as Megatron-LM
+    does, these are flattened together).
+    """
+    pending: dict[tuple, list[torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if not (isinstance(param, DTensor) and isinstance(grad, DTensor)):
+            continue
+        partial = [i for i, p in enumerate(grad.placements) if p.is_partial()]
+        if len(partial) != 1 or getattr(grad.placements[partial[0]], "reduce_op", None) != "sum":
+            continue
+        dim = partial[0]
+        others_match = all(g == p for i, (g, p) in enumerate(zip(grad.placements, param.placements)) if i != dim)
+        if others_match and param.placements[dim].is_replicate():
+            pending.setdefault((id(grad.device_mesh), dim, grad.dtype), []).append(param)
+    for (_, dim, _), group in pending.items():
+        mesh = group[0].grad.device_mesh
+        locals_ = [p.grad.to_local() for p in group]
+        flat = torch.cat([g.reshape(-1) for g in locals_])
+        dist.all_reduce(flat, group=mesh.get_group(dim))
+        offset = 0
+        for param, local in zip(group, locals_):
+            summed = flat[offset:offset + local.numel()].view_as(local)
+            offset += local.numel()
+            param.grad = DTensor.from_local(summed, mesh, param.placements, run_check=False)
 
 
 def _match_gradient_placements(param: torch.Tensor) -> None:

@@ -2,8 +2,8 @@
 
 The module's forward is replaced by a checkpointed call of the original, so parameter names (and
 checkpoints, and plan placements) stay those of the unwrapped model. `full` keeps only the block's
-input; `selective` also keeps the outputs of matmuls and attention and recomputes the rest
-(the elementwise work the cost model's selective policy drops).
+input; `selective` also keeps the outputs of matmuls, attention and tensor-parallel collectives
+and recomputes the rest (the elementwise work the cost model's selective policy drops).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # Tensor-parallel collectives: recomputing one would resend it (selective recompute repeats compute only).
+    torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.wait_tensor.default,
 }
 
 

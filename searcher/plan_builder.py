@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph
-from autopar.plan import MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
+from autopar.plan import CollectiveRecord, MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
+from cost_models.collectives import step_collectives
 from cost_models.facts import ModelFacts
 from searcher.search import Candidate
 
@@ -54,6 +55,7 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
             tflops_per_gpu=evaluation.tflops_per_gpu, mfu=min(evaluation.mfu, 1.0),
             peak_memory_bytes=[int(m.total_bytes) for m in evaluation.memory],
             breakdown={k: max(v, 0.0) for k, v in evaluation.breakdown.items()},
+            collectives=_predicted_collectives(candidate, facts),
         ),
         provenance=Provenance(model_name=graph.model_name, model_fingerprint=graph.model_fingerprint,
                               cluster_name=cluster.name, world_size=cluster.world_size),
@@ -75,3 +77,13 @@ def _op_placements(tp_placements: dict[str, str], dp: int) -> dict[str, str]:
     the plan gives the primary output over the stage mesh (dp, tp): data parallel splits the batch."""
     dp_part = "S(0)" if dp > 1 else "R"
     return {name: dp_part + placement.split(",")[0] for name, placement in tp_placements.items()}
+
+
+def _predicted_collectives(candidate: Candidate, facts: ModelFacts) -> list[list[CollectiveRecord]]:
+    s = candidate.strategy
+    result = []
+    for rank in range(s.pp):
+        ledger = step_collectives(candidate.stages, s, facts.precision, rank, seq_len=facts.seq_len, vocab=facts.vocab)
+        result.append([CollectiveRecord(axis=axis, kind=kind, calls=calls, bytes=round(size))
+                       for (axis, kind), (calls, size) in ledger.items()])
+    return result

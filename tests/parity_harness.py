@@ -114,12 +114,18 @@ def run_job(job: dict) -> dict | None:
     spec = build_model(job["model"], job["overrides"])
     parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=SEED)
     optimizer = make_optimizer(parallel.parameters())
+    from runtime.collectives import CollectiveCounter, group_axes
+
     placements = parallel.executed_placements()
-    losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in job["data"]]
-    state = parallel.full_state_dict()
+    losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in job["data"][:-1]]
+    with CollectiveCounter(group_axes(parallel)) as counter:  # the last step: what a step sends
+        losses.append(parallel.train_step(job["data"][-1], optimizer, max_grad_norm=MAX_GRAD_NORM))
+    result = {"losses": losses, "placements": placements, "pp_rank": parallel.layout.pp_rank,
+              "collectives": counter.counts.as_rows()}
+    state = parallel.full_state_dict()  # a collective over the stage mesh: every rank takes part
     if parallel.layout.dp_rank == 0 and parallel.layout.tp_rank == 0:
-        return {"losses": losses, "state": state, "placements": placements}
-    return {"losses": losses, "placements": placements}
+        result["state"] = state
+    return result
 
 
 def run_plans(world: int, jobs: list[dict]) -> list[list[dict]]:

@@ -1,7 +1,8 @@
 """Parity: each plan kind trains like one process (same model, data, seed; fp32, gloo).
 
 Every loss matches the single-process reference to relative 1e-5 and the gathered final weights
-to 1e-5; every parameter runs with the placement the plan gives it.
+to 1e-5; every parameter runs with the placement the plan gives it; every rank's collectives in a
+step (kind, calls and bytes per mesh axis) are those the plan predicted.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def _check(strategy, plan, ranks, reference_losses, reference_state):
                                    rtol=1e-5, atol=0, msg=lambda m: f"{label} rank {rank} losses: {m}")
         for name, placement in result["placements"].items():
             assert plan.param_placements[name] == placement, (label, rank, name, placement)
+        if not plan.op_placements:  # the ILP's own collectives are not in the ledger yet (issue #6, left)
+            _check_collectives(label, plan, result)
     state = {}
     for result in ranks:
         state.update(result.get("state", {}))
@@ -39,6 +42,18 @@ def _check(strategy, plan, ranks, reference_losses, reference_state):
     for name, value in state.items():
         torch.testing.assert_close(value, reference_state[name], rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"{label} weight {name}: {m}")
+
+
+def _check_collectives(label: str, plan, result: dict) -> None:
+    """What the rank sent in a step (kind, calls, bytes per mesh axis) is what the plan predicted."""
+    from cost_models.collectives import merge_world
+
+    predicted = {(r.axis, r.kind): (r.calls, r.bytes) for r in plan.predicted.collectives[result["pp_rank"]]}
+    predicted = merge_world(predicted, {axis.name: axis.size for axis in plan.mesh})
+    executed = result["collectives"]
+    assert set(executed) == set(predicted), (label, sorted(executed), sorted(predicted))
+    for key, (calls, size) in predicted.items():
+        assert executed[key] == (calls, round(size)), (label, key, "executed", executed[key], "predicted", (calls, size))
 
 
 WORLD2_GPT = [
