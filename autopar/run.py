@@ -2,8 +2,17 @@
 
 The plan is either read from `--plan` or searched on the fly for the running world size; every
 rank searches the same inputs, and rank 0's plan is broadcast so that all ranks run one plan even if
-a solver broke a tie differently. There is no data pipeline yet: the model trains on a synthetic
-token stream that every rank draws identically from `--seed`.
+a solver broke a tie differently.
+
+Data: a prepared token dataset (`--data DIR`), by default the embedded byte-level corpus of the
+Python standard library; each dp rank's `TokenLoader` reads only its own rows. `--data synthetic`
+keeps the old random-walk stream (every rank draws the whole batch from `--seed`), for tests that
+need a stream independent of the dataset.
+
+Checkpoints (`--checkpoint-dir`): weights, optimizer, generators and, in `extra`, the step, the
+data position, the plan and the run's arguments. A checkpoint loads under any plan, so a job can
+resume on another world size or strategy. SIGTERM (a scheduler's preemption notice) finishes the
+current step, saves, and exits 0, so the job's next launch with `--resume auto` loses no step.
 """
 
 from __future__ import annotations
@@ -12,8 +21,11 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +33,9 @@ from autopar.errors import AutoparError
 
 GiB = 2**30
 NOISE = 0.1  # share of synthetic tokens drawn uniformly instead of from the walk
+SYNTHETIC = "synthetic"
+BYTE_VOCAB = 257  # the embedded corpus: 256 byte values and the end-of-document id
+SYNTHETIC_STATE = "autopar-synthetic-tokens"
 
 
 @dataclass
@@ -75,6 +90,23 @@ class SyntheticTokens:
             tokens[:, t] = torch.where(jump[:, t], noise[:, t], self.successor[tokens[:, t - 1]])
         return tokens
 
+    def state_dict(self) -> dict[str, Any]:
+        """The generator's position, JSON-able, so a resumed run draws the batches it would have drawn."""
+        return {"format": SYNTHETIC_STATE, "vocab": self.vocab, "seq_len": self.seq_len,
+                "generator": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import torch
+
+        if not isinstance(state, dict) or state.get("format") != SYNTHETIC_STATE:
+            raise AutoparError("the checkpoint was not trained on --data synthetic: give the --data it was trained "
+                               "on, or --resume none to start fresh")
+        if (state.get("vocab"), state.get("seq_len")) != (self.vocab, self.seq_len):
+            raise AutoparError(f"the checkpoint's synthetic stream has vocab {state.get('vocab')} and seq_len "
+                               f"{state.get('seq_len')}, this run {self.vocab} and {self.seq_len}: use the same "
+                               f"model config and --seq-len, or --resume none")
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
 
 def run_command(args: argparse.Namespace) -> int:
     env = Environment.from_env()
@@ -117,9 +149,10 @@ def _run(args: argparse.Namespace, env: Environment) -> int:
     if args.dry_run:
         _print_dry_run(plan, spec.name, env, global_batch, seq_len, precision)
         return 0
+    dataset = _open_data(args.data, spec.config.vocab, seq_len, global_batch)
     if cluster is None:
         cluster = _provenance_cluster(plan, env.world_size)
-    return _train(args, env, spec, plan, cluster, global_batch, seq_len, precision)
+    return _train(args, env, spec, plan, cluster, global_batch, seq_len, precision, dataset)
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
@@ -133,10 +166,48 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise AutoparError(f"--lr must be a positive number, got {args.lr}")
     if not (args.max_grad_norm >= 0 and math.isfinite(args.max_grad_norm)):
         raise AutoparError(f"--max-grad-norm must be 0 (no clipping) or positive, got {args.max_grad_norm}")
+    if args.checkpoint_every is not None:
+        if args.checkpoint_dir is None:
+            raise AutoparError("--checkpoint-every needs --checkpoint-dir DIR (where to save them)")
+        if args.checkpoint_every < 1:
+            raise AutoparError(f"--checkpoint-every must be at least 1 step, got {args.checkpoint_every}")
+    if args.keep_last < 1:
+        raise AutoparError(f"--keep-last {args.keep_last} would delete the checkpoint just written: give 1 or more")
+    if args.async_checkpoint and args.checkpoint_dir is None:
+        raise AutoparError("--async-checkpoint needs --checkpoint-dir DIR (where to save)")
+    if args.resume not in ("auto", "none") and not Path(args.resume).exists():
+        raise AutoparError(f"--resume {args.resume}: no such checkpoint; give auto, none or a checkpoint directory "
+                           f"(e.g. CKPT_DIR/step-00000100)")
+    if args.checkpoint_dir is not None and Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
+        raise AutoparError(f"--checkpoint-dir {args.checkpoint_dir} is a file: give a directory")
     if args.metrics:
         directory = os.path.dirname(os.path.abspath(args.metrics))
         if not os.path.isdir(directory):
             raise AutoparError(f"cannot write {args.metrics}: directory {directory} does not exist; create it first")
+
+
+def _open_data(data: str | None, vocab: int, seq_len: int, global_batch: int):
+    """The dataset to train on (None: the synthetic stream), checked against the model before any
+    process group or step, so every rank refuses bad data with the same line."""
+    from runtime.data import TokenDataset, default_corpus
+
+    if data == SYNTHETIC:
+        return None
+    if data is None:
+        if vocab < BYTE_VOCAB:
+            raise AutoparError(f"the embedded corpus is byte-level ({BYTE_VOCAB} token ids), the model's vocabulary "
+                               f"has {vocab}: use --model-config vocab={BYTE_VOCAB} or larger, or give --data DIR "
+                               f"(or --data synthetic)")
+        dataset = TokenDataset(default_corpus())
+    else:
+        dataset = TokenDataset(data)
+    dataset.check_vocab(vocab)
+    samples = dataset.num_samples(seq_len)
+    if samples < global_batch:
+        raise AutoparError(f"dataset {dataset.path} has {dataset.num_tokens:,} tokens = {samples} samples of "
+                           f"{seq_len}, fewer than one global batch of {global_batch}: use more data or a smaller "
+                           f"--global-batch or --seq-len")
+    return dataset
 
 
 def _default_precision() -> str:
@@ -275,7 +346,8 @@ def _init_process_group(env: Environment) -> None:
         dist.init_process_group("gloo")
 
 
-def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_len: int, precision: str) -> int:
+def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_len: int, precision: str,
+           dataset) -> int:
     import torch
     import torch.distributed as dist
 
@@ -283,6 +355,7 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
 
     had_group = dist.is_available() and dist.is_initialized()
     _init_process_group(env)
+    data = checkpointer = None
     try:
         if env.world_size > 1:  # one plan for all ranks, whatever each rank's solver chose
             from autopar.plan import Plan
@@ -293,25 +366,120 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
         parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=args.seed, precision=precision)
         device = parallel.layout.device
         optimizer = torch.optim.AdamW(parallel.parameters(), lr=args.lr)
-        data = SyntheticTokens(spec.config.vocab, global_batch, seq_len, args.seed)
+        if dataset is None:
+            data = SyntheticTokens(spec.config.vocab, global_batch, seq_len, args.seed)
+            described = (f"synthetic (random walks on a random permutation of the {spec.config.vocab}-token "
+                         f"vocabulary, seed {args.seed})")
+        else:
+            from runtime.data import TokenLoader
+
+            data = TokenLoader(dataset, seq_len, global_batch, dp_rank=parallel.layout.dp_rank,
+                               dp_size=parallel.layout.size("dp"), seed=args.seed, device=device)
+            described = f"{dataset.path} ({dataset.num_tokens:,} tokens, order seed {args.seed})"
+        checkpointer = _checkpointer(args)
+        first_step = _resume(args, env, checkpointer, parallel, optimizer, data) + 1
+        if first_step > args.steps:
+            if env.rank == 0:
+                print(f"the checkpoint is at step {first_step - 1}, --steps is {args.steps}: nothing to train "
+                      f"(raise --steps to continue)", flush=True)
+            return 0
         num_params = sum(p.numel() for p in spec.module.parameters())  # unique parameters, tied ones once
         peak = _peak_flops(cluster, precision, env.world_size)
         nominal = device.type != "cuda" or cluster is None or cluster.gpu.name == "cpu"
         if env.rank == 0:
-            print(f"training {spec.name} ({num_params:,} parameters, {precision}) for {args.steps} steps on "
+            steps = f"steps {first_step}-{args.steps}" if first_step > 1 else f"{args.steps} steps"
+            print(f"training {spec.name} ({num_params:,} parameters, {precision}) for {steps} on "
                   f"{env.world_size} process(es), {device.type}: {_strategy_text(plan.strategy)}; global batch "
-                  f"{global_batch} x seq {seq_len}; data: synthetic (random walks on a random permutation of the "
-                  f"{spec.config.vocab}-token vocabulary, seed {args.seed}; no data pipeline yet)", flush=True)
-        metrics = _MetricsFile(args.metrics) if args.metrics and env.rank == 0 else None
+                  f"{global_batch} x seq {seq_len}; data: {described}", flush=True)
+        metrics = None
+        if args.metrics and env.rank == 0:
+            metrics = _MetricsFile(args.metrics, keep_through_step=first_step - 1 if first_step > 1 else None)
+        run = _Run(args, env, parallel, optimizer, data, checkpointer, plan, global_batch * seq_len,
+                   "synthetic" if dataset is None else str(dataset.path))
         try:
-            _loop(args, env, parallel, optimizer, data, device, num_params, peak, nominal, metrics)
+            with _StopRequest() as stop:
+                run.loop(first_step, stop, num_params, peak, nominal, metrics)
         finally:
             if metrics is not None:
                 metrics.close()
+        if checkpointer is not None:
+            checkpointer.close()  # publishes an async save still in flight
     finally:
+        if data is not None and dataset is not None:
+            data.close()
         if not had_group and dist.is_initialized():  # whoever made it here (this call or parallelize)
             dist.destroy_process_group()
     return 0
+
+
+def _checkpointer(args):
+    if args.checkpoint_dir is None:
+        return None
+    from runtime.checkpoint import Checkpointer
+
+    return Checkpointer(args.checkpoint_dir, keep_last=args.keep_last, async_save=args.async_checkpoint)
+
+
+def _resume(args, env: Environment, checkpointer, parallel, optimizer, data) -> int:
+    """Load the checkpoint `--resume` names (weights, optimizer, generators, data position); returns its
+    step (0: starting fresh). Every refusal comes before the first step."""
+    from runtime.checkpoint import Checkpointer, CheckpointError
+
+    if args.resume == "none":
+        return 0
+    if args.resume == "auto":
+        if checkpointer is None or not checkpointer.list():
+            return 0
+        try:
+            extra = checkpointer.load("latest", parallel, optimizer)
+        except CheckpointError as error:
+            if error.path != checkpointer.directory:  # a checkpoint found but unusable (another model, ...)
+                raise
+            if env.rank == 0:
+                print(f"autopar: note: no complete checkpoint in {checkpointer.directory}: starting fresh",
+                      file=sys.stderr, flush=True)
+            return 0
+        source = checkpointer
+    else:
+        source = checkpointer or Checkpointer(Path(args.resume).parent)
+        extra = source.load(args.resume, parallel, optimizer)
+    step = extra.get("step") if isinstance(extra, dict) else None
+    if not isinstance(step, int) or "data" not in extra:
+        raise AutoparError(f"checkpoint {source.loaded.path} was not written by `autopar run` (no step or data "
+                           f"position): give one of its checkpoints, or --resume none")
+    data.load_state_dict(extra["data"])
+    if env.rank == 0:
+        print(f"resumed from {source.loaded.path} (step {step})", flush=True)
+    return step
+
+
+def _json_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's arguments as recorded in a checkpoint (what reproduces it), JSON-able values only."""
+    return {key: value for key, value in vars(args).items()
+            if isinstance(value, (str, int, float, bool, type(None)))}
+
+
+class _StopRequest:
+    """SIGTERM sets a flag; the loop finishes its step, saves a checkpoint and returns (exit 0).
+    Python delivers signals on the main thread only, so elsewhere (a test's thread) nothing is installed."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
 
 
 def _peak_flops(cluster, precision: str, world_size: int) -> float | None:
@@ -323,51 +491,112 @@ def _peak_flops(cluster, precision: str, world_size: int) -> float | None:
         return None
 
 
-def _loop(args, env, parallel, optimizer, data, device, num_params: int, peak: float | None, nominal: bool,
-          metrics) -> None:
-    import torch
-    import torch.distributed as dist
+class _Run:
+    """The training loop and what it saves; one per `autopar run`."""
 
-    cuda = device.type == "cuda"
-    tokens_per_step = data.global_batch * data.seq_len
-    started = time.perf_counter()
-    interval_steps = 0
-    for step in range(1, args.steps + 1):
-        batch = data.next_batch()
-        loss = parallel.train_step(batch, optimizer, max_grad_norm=args.max_grad_norm)
-        interval_steps += 1
-        if not math.isfinite(loss):
-            raise AutoparError(f"the loss is {loss} at step {step}: lower --lr, set --max-grad-norm, or use "
-                               f"--precision fp32/bf16", exit_code=1)
-        if step % args.log_every:
-            continue
-        if cuda:
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - started
-        tokens_per_s = tokens_per_step * interval_steps / elapsed if elapsed > 0 else 0.0
-        peak_memory = 0
-        if cuda:  # the largest peak of any rank
-            value = torch.tensor([torch.cuda.max_memory_allocated(device)], dtype=torch.float64, device=device)
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-            peak_memory = int(value.item())
-        mfu = 6 * num_params * tokens_per_s / peak if peak else None
-        if env.rank == 0:
-            memory = f"  peak memory {peak_memory / GiB:.2f} GiB" if cuda else ""
-            shown = "n/a" if mfu is None else f"{mfu:.1%}" + (" (nominal)" if nominal else "")
-            print(f"step {step:>6}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  MFU {shown}{memory}", flush=True)
-            if metrics is not None:
-                metrics.write({"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                               "mfu_nominal": nominal, "peak_memory_bytes": peak_memory, "data": "synthetic"})
+    def __init__(self, args, env, parallel, optimizer, data, checkpointer, plan, tokens_per_step: int,
+                 data_name: str) -> None:
+        self.args, self.env, self.parallel, self.optimizer = args, env, parallel, optimizer
+        self.data, self.checkpointer, self.plan = data, checkpointer, plan
+        self.tokens_per_step, self.data_name = tokens_per_step, data_name
+
+    def local_rows(self):
+        """This dp rank's rows of the next global batch, on the model's device."""
+        if isinstance(self.data, SyntheticTokens):  # every rank draws the whole batch
+            return self.parallel.local_batch(self.data.next_batch())
+        tokens, _ = self.data.next()
+        return tokens
+
+    def step(self) -> float:
+        """`ParallelModel.train_step` on this rank's rows alone (the loader reads no other rank's)."""
+        parallel, optimizer = self.parallel, self.optimizer
+        loss_sum = parallel.forward_backward(self.local_rows())
+        parallel.sync_gradients()
+        if self.args.max_grad_norm > 0:
+            parallel.clip_grad_norm_(self.args.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return parallel.global_loss(loss_sum)
+
+    def save(self, step: int) -> None:
+        extra = {"step": step, "data": self.data.state_dict(), "data_name": self.data_name,
+                 "plan": self.plan.to_json(), "config": _json_config(self.args), "world_size": self.env.world_size}
+        path = self.checkpointer.save(step, self.parallel, self.optimizer, extra)
+        if self.env.rank == 0:
+            verb = "saving" if self.checkpointer.async_save else "saved"
+            print(f"{verb} checkpoint {path}", flush=True)
+
+    def stop_requested(self, stop: _StopRequest, device) -> bool:
+        """Whether any rank got SIGTERM: all ranks stop after the same step (one scalar all-reduce)."""
+        if self.env.world_size == 1:
+            return stop.requested
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if stop.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def loop(self, first_step: int, stop: _StopRequest, num_params: int, peak: float | None, nominal: bool,
+             metrics) -> None:
+        import torch
+        import torch.distributed as dist
+
+        args, env = self.args, self.env
+        device = self.parallel.layout.device
+        cuda = device.type == "cuda"
+        every = args.checkpoint_every
         started = time.perf_counter()
         interval_steps = 0
+        for step in range(first_step, args.steps + 1):
+            loss = self.step()
+            interval_steps += 1
+            if not math.isfinite(loss):
+                raise AutoparError(f"the loss is {loss} at step {step}: lower --lr, set --max-grad-norm, or use "
+                                   f"--precision fp32/bf16", exit_code=1)
+            if step % args.log_every == 0:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - started
+                tokens_per_s = self.tokens_per_step * interval_steps / elapsed if elapsed > 0 else 0.0
+                peak_memory = 0
+                if cuda:  # the largest peak of any rank
+                    value = torch.tensor([torch.cuda.max_memory_allocated(device)], dtype=torch.float64, device=device)
+                    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+                    peak_memory = int(value.item())
+                mfu = 6 * num_params * tokens_per_s / peak if peak else None
+                if env.rank == 0:
+                    memory = f"  peak memory {peak_memory / GiB:.2f} GiB" if cuda else ""
+                    shown = "n/a" if mfu is None else f"{mfu:.1%}" + (" (nominal)" if nominal else "")
+                    print(f"step {step:>6}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  MFU {shown}{memory}",
+                          flush=True)
+                    if metrics is not None:
+                        metrics.write({"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                                       "mfu_nominal": nominal, "peak_memory_bytes": peak_memory,
+                                       "data": self.data_name})
+            stopping = self.stop_requested(stop, device)
+            due = step == args.steps or stopping or (every is not None and step % every == 0)
+            if self.checkpointer is not None and due:
+                self.save(step)
+            if stopping:
+                if env.rank == 0:
+                    saved = "checkpoint saved" if self.checkpointer is not None else "no --checkpoint-dir, nothing saved"
+                    print(f"SIGTERM: stopped after step {step} ({saved})", flush=True)
+                return
+            if step % args.log_every == 0:  # the next interval starts after any save
+                started = time.perf_counter()
+                interval_steps = 0
 
 
 class _MetricsFile:
     """JSONL, one complete line per write (a single write call each), so a crash never leaves half a line."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, keep_through_step: int | None = None) -> None:
+        kept = _records_through(path, keep_through_step) if keep_through_step is not None else b""
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            if kept:
+                os.write(self.fd, kept)
         except OSError as error:
             raise AutoparError(f"cannot write {path}: {error.strerror}; choose a writable location") from None
         self.path = path
@@ -383,3 +612,20 @@ class _MetricsFile:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _records_through(path: str, last_step: int) -> bytes:
+    """A resumed run's metrics continue the file: the lines up to the checkpoint's step are kept,
+    those after it (the steps the resumed run trains again) dropped."""
+    try:
+        lines = Path(path).read_bytes().splitlines(keepends=True)
+    except OSError:
+        return b""
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return b"".join(kept)

@@ -12,7 +12,9 @@ import torch.distributed as dist
 from autopar.cli import main
 
 MODEL = ["--model", "gpt", "--model-config", "layers=2,hidden=32,heads=4,vocab=64,seq_len=16"]
-TRAIN = [*MODEL, "--global-batch", "4", "--lr", "3e-3", "--seed", "7"]
+TRAIN = [*MODEL, "--global-batch", "4", "--lr", "3e-3", "--seed", "7", "--data", "synthetic"]
+BYTES = ["--model", "gpt", "--model-config", "layers=2,hidden=32,heads=4,vocab=257,seq_len=32", "--cluster", "local",
+         "--global-batch", "8", "--lr", "3e-3", "--log-every", "1"]
 KEYS = {"step", "loss", "tokens_per_s", "mfu", "mfu_nominal", "peak_memory_bytes"}
 PROGRESS = ("tracing ", "searching ")
 
@@ -100,7 +102,7 @@ def _one_line_error(capsys, argv, *words):
 
 def test_bad_inputs_are_one_line_exit_2_and_write_nothing(capsys, tmp_path, world2_plan):
     metrics = tmp_path / "m.jsonl"
-    common = ["--steps", "2", "--metrics", str(metrics)]
+    common = ["--steps", "2", "--metrics", str(metrics), "--data", "synthetic"]
     cases = [
         (["run", *MODEL, "--plan", str(tmp_path / "missing.json"), *common], ["missing.json", "not found"]),
         (["run", *TRAIN, "--cluster", "local", "--steps", "0", "--metrics", str(metrics)], ["--steps", "at least 1"]),
@@ -113,6 +115,9 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(capsys, tmp_path, worl
          ["not divisible"]),
         (["run", *MODEL, "--plan", str(world2_plan), "--model-config", "layers=3,hidden=32,heads=4,vocab=64,seq_len=16",
           *common], ["fingerprint"]),
+        (["run", *TRAIN, "--cluster", "local", "--checkpoint-every", "2", *common], ["--checkpoint-dir"]),
+        (["run", *MODEL, "--cluster", "local", "--global-batch", "4", "--steps", "2", "--metrics", str(metrics)],
+         ["vocab=257", "byte-level"]),
     ]
     for argv, words in cases:
         _one_line_error(capsys, argv, *words)
@@ -128,3 +133,91 @@ def test_dry_run_prints_the_plan_and_trains_nothing(capsys, tmp_path, world2_pla
     assert "predicted step" in out and "GiB" in out and "nothing trained" in out
     assert "plan is for 2 processes" in out  # this launch has one
     assert not metrics.exists() and not dist.is_initialized()
+
+
+def _quiet_main(argv) -> tuple[int, str, str]:
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_embedded_corpus_trains_by_default(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = _quiet_main(["run", *BYTES, "--steps", "30", "--log-every", "10", "--metrics", str(metrics)])
+    assert code == 0, err
+    records = _records(metrics)
+    assert [r["step"] for r in records] == [10, 20, 30]
+    assert all(KEYS | {"data"} <= set(r) and "stdlib" in r["data"] for r in records)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3, records  # bytes of Python source are learnable
+    assert "stdlib" in out
+
+
+def test_resume_continues_exactly_where_the_checkpoint_stopped(tmp_path):
+    straight, parts = tmp_path / "straight.jsonl", tmp_path / "parts.jsonl"
+    code, _, err = _quiet_main(["run", *BYTES, "--steps", "6", "--checkpoint-dir", str(tmp_path / "a"),
+                                "--checkpoint-every", "3", "--metrics", str(straight)])
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "a").glob("step-*")) == ["step-00000003", "step-00000006"]
+    for steps in ("3", "6"):
+        code, out, err = _quiet_main(["run", *BYTES, "--steps", steps, "--checkpoint-dir", str(tmp_path / "b"),
+                                      "--resume", "auto", "--metrics", str(parts)])
+        assert code == 0, err
+    assert "resumed from" in out and "step 3" in out
+    first, second = _records(straight), _records(parts)
+    assert [r["step"] for r in second] == [1, 2, 3, 4, 5, 6]  # the resumed run continues the metrics file
+    assert [r["loss"] for r in second] == pytest.approx([r["loss"] for r in first], rel=1e-6)
+    # already at --steps: nothing to train, exit 0 (a restart loop may run the command again)
+    code, out, _ = _quiet_main(["run", *BYTES, "--steps", "6", "--checkpoint-dir", str(tmp_path / "b")])
+    assert code == 0 and "nothing to train" in out
+
+
+def test_checkpoint_errors_come_before_training(capsys, tmp_path):
+    directory = tmp_path / "ck"
+    code, _, err = _quiet_main(["run", *BYTES, "--steps", "1", "--checkpoint-dir", str(directory)])
+    assert code == 0, err
+    other = ["--model", "gpt", "--model-config", "layers=3,hidden=32,heads=4,vocab=257,seq_len=32"]
+    metrics = tmp_path / "m.jsonl"
+    _one_line_error(capsys, ["run", *other, *BYTES[4:], "--steps", "2", "--checkpoint-dir", str(directory),
+                             "--metrics", str(metrics)], "fingerprint")
+    _one_line_error(capsys, ["run", *BYTES, "--steps", "2", "--resume", str(tmp_path / "nowhere")], "--resume")
+    _one_line_error(capsys, ["run", *BYTES, "--steps", "2", "--data", str(tmp_path / "nodata")], "does not exist")
+    (tmp_path / "empty").mkdir()
+    _one_line_error(capsys, ["run", *BYTES, "--steps", "2", "--data", str(tmp_path / "empty")], "not a prepared")
+    assert not metrics.exists()
+
+
+def test_dataset_ids_beyond_the_model_vocabulary_are_refused(capsys, tmp_path):
+    from runtime.data import prepare_tokens
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 2000)
+    prepare_tokens([str(text)], str(tmp_path / "ds"))
+    small = ["--model", "gpt", "--model-config", "layers=2,hidden=32,heads=4,vocab=64,seq_len=32"]
+    _one_line_error(capsys, ["run", *small, *BYTES[4:], "--steps", "2", "--data", str(tmp_path / "ds")], "vocab")
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
+    import signal
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    job = subprocess.Popen([sys.executable, "-m", "autopar", "run", *BYTES, "--steps", "100000",
+                            "--checkpoint-dir", str(tmp_path / "ck")],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("step      2"):
+                job.send_signal(signal.SIGTERM)
+                break
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-2000:]
+    assert "SIGTERM: stopped after step" in out and "Traceback" not in err
+    saved = sorted((tmp_path / "ck").glob("step-*"))
+    assert len(saved) == 1 and 2 <= int(saved[0].name.split("-")[1]) < 100000
