@@ -101,7 +101,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                 add("dp", "all_gather", unit_params * weight_bytes, gathers)
                 add("dp", "reduce_scatter", unit_params * GRADIENT_REDUCE_BYTES, scatters)
     if s.dp > 1 and s.zero == 0:
-        rank_params = sum(_on_device(u, s.tp) for i in mine for u in stages[i]) + sum(n for _, n in tied["copies"])
+        rank_params = sum(u.params_on_device(s.tp) for i in mine for u in stages[i]) + sum(n for _, n in tied["copies"])
         grad_bytes = rank_params * GRADIENT_REDUCE_BYTES
         add("dp", "all_reduce", grad_bytes / max(1, math.ceil(grad_bytes / BUCKET_BYTES)),
             max(1, math.ceil(grad_bytes / BUCKET_BYTES)))
@@ -111,10 +111,6 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
         add("pp", "all_reduce", tied["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES)
     add("world", "all_reduce", SCALAR_BYTES, 2 if clip_grad_norm else 1)
     return {key: (calls[key], sent[key]) for key in sorted(calls)}
-
-
-def _on_device(unit: Unit, tp: int) -> float:
-    return unit.sharded_params / tp + (unit.params - unit.sharded_params)
 
 
 def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int) -> list[dict]:
@@ -140,20 +136,10 @@ def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int) -> list[dict]:
     return result
 
 
-def held_params(stages: list[list[Unit]], pp: int, tp: int) -> list[float]:
-    """Parameters each pipeline rank holds (tp-local): its units' own plus copies of tied weights."""
-    held = [0.0] * pp
-    for index, units in enumerate(stages):
-        held[index % pp] += sum(_on_device(u, tp) for u in units)
-    for rank, tied in enumerate(tied_across_ranks(stages, pp, tp)):
-        held[rank] += sum(n for _, n in tied["copies"])
-    return held
-
-
 def _fsdp_unit_params(units: list[Unit], tp: int, root_copies: float = 0.0) -> list[float]:
     """Parameters per FSDP unit of a stage: each layer its own, the rest of the stage the root's."""
-    layers = [_on_device(u, tp) for u in units if u.layer_type is not None]
-    root = sum(_on_device(u, tp) for u in units if u.layer_type is None) + root_copies
+    layers = [u.params_on_device(tp) for u in units if u.layer_type is not None]
+    root = sum(u.params_on_device(tp) for u in units if u.layer_type is None) + root_copies
     return [p for p in layers if p] + ([root] if root else [])
 
 

@@ -103,7 +103,7 @@ def evaluate(
     rank_largest_unit = [0.0] * s.pp
     for index, units in enumerate(stages_units):
         rank = index % s.pp
-        forward = backward = vector = 0.0
+        forward = backward = 0.0
         forward_comm = backward_comm = 0.0
         activations = 0.0
         recompute_extra = 0.0
@@ -126,12 +126,12 @@ def evaluate(
                 largest_full_layer = max(largest_full_layer, full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective"))
             policy = s.recompute if unit.layer_type is not None else "none"
             activations += unit_activation_bytes(unit, b, s.tp, s.sp, policy)
-            on_device = unit.sharded_params / s.tp + (unit.params - unit.sharded_params)
+            on_device = unit.params_on_device(s.tp)
             rank_params[rank] += on_device
             rank_largest_unit[rank] = max(rank_largest_unit[rank], on_device)
         zero3_forward = zero3_backward = 0.0
         if s.zero >= 3 and s.dp > 1:
-            stage_weight_bytes = sum(u.sharded_params / s.tp + u.params - u.sharded_params for u in units) * per.weight
+            stage_weight_bytes = sum(u.params_on_device(s.tp) for u in units) * per.weight
             gather = collective_time_s("all_gather", stage_weight_bytes, dp_layout, cluster)
             scatter = collective_time_s("reduce_scatter", stage_weight_bytes / per.weight * GRADIENT_REDUCE_BYTES,
                                         dp_layout, cluster)

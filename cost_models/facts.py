@@ -71,6 +71,10 @@ class Unit:
     # Memo of derived costs (keyed by their arguments): a search costs each unit thousands of times.
     memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
+    def params_on_device(self, tp: int) -> float:
+        """Parameters one tp rank holds: its shard of the sharded ones, all of the rest."""
+        return self.sharded_params / tp + (self.params - self.sharded_params)
+
     @cached_property
     def forward_ops(self) -> tuple[OpFacts, ...]:
         return tuple(op for op in self.ops if op.phase == "forward")

@@ -198,7 +198,7 @@ class _Refiner:
             recompute = t.forward_s if (s.recompute == "full" and unit.layer_type) else 0.0
             policy = s.recompute if unit.layer_type else "none"
             full = unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, "none")
-            params = unit.sharded_params / s.tp + unit.params - unit.sharded_params
+            params = unit.params_on_device(s.tp)
             costs.append(UnitCost(
                 time_s=t.forward_s + t.backward_s + comm + recompute,
                 state_bytes=params * state,

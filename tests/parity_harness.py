@@ -7,7 +7,6 @@ every plan in turn on the same process group and writes its losses and gathered 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import socket
 import tempfile
@@ -89,17 +88,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[dict], outdir: str) -> None:
+def _worker(rank: int, world: int, port: int, jobs: list[dict], outdir: str, runner) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for number, job in enumerate(jobs):
-            result = run_job(job)
-            if result is not None:
-                Path(outdir, f"job{number}.rank{rank}.pt").write_bytes(b"")
-                torch.save(result, Path(outdir, f"job{number}.rank{rank}.pt"))
+            torch.save(runner(job), Path(outdir, f"job{number}.rank{rank}.pt"))
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -128,8 +124,17 @@ def run_job(job: dict) -> dict | None:
     return result
 
 
-def run_plans(world: int, jobs: list[dict]) -> list[list[dict]]:
-    """Every job on `world` gloo processes; per job, each rank's result."""
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(world, _free_port(), jobs, outdir), nprocs=world, start_method="spawn")
-        return [[torch.load(Path(outdir, f"job{n}.rank{r}.pt")) for r in range(world)] for n in range(len(jobs))]
+def run_plans(world: int, jobs: list[dict], runner=None, outdir: str | Path | None = None) -> list[list[dict]]:
+    """Every job on `world` gloo processes, one spawned group for all; per job, each rank's result.
+
+    `runner(job)` (a module-level function, default `run_job`) runs in every process; results are
+    written under `outdir` (a temporary directory when None).
+    """
+    if outdir is None:
+        with tempfile.TemporaryDirectory() as temporary:
+            return run_plans(world, jobs, runner, temporary)
+    runner = runner or run_job
+    mp.start_processes(_worker, args=(world, _free_port(), jobs, str(outdir), runner), nprocs=world,
+                       start_method="spawn")
+    return [[torch.load(Path(outdir, f"job{n}.rank{r}.pt"), weights_only=False) for r in range(world)]
+            for n in range(len(jobs))]

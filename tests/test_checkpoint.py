@@ -22,9 +22,8 @@ import numpy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from parity_harness import MAX_GRAD_NORM, SEED, _free_port, batches, make_plan, tiny_config
+from parity_harness import MAX_GRAD_NORM, SEED, batches, make_plan, run_plans, tiny_config
 
 GLOBAL_BATCH = 8
 SEQ = 16
@@ -235,23 +234,12 @@ def _flip_one_bit(path: Path) -> None:
 JOBS = {"reshard": _reshard_job, "grow": _grow_job, "failure": _failure_job}
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[dict], outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for number, job in enumerate(jobs):
-            torch.save(JOBS[job["kind"]](job), Path(outdir, f"job{number}.rank{rank}.pt"))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _run_job(job: dict):
+    return JOBS[job["kind"]](job)
 
 
 def _run_group(world: int, jobs: list[dict], outdir: Path) -> list[list[dict]]:
-    mp.start_processes(_worker, args=(world, _free_port(), jobs, str(outdir)), nprocs=world, start_method="spawn")
-    return [[torch.load(outdir / f"job{n}.rank{r}.pt", weights_only=False) for r in range(world)]
-            for n in range(len(jobs))]
+    return run_plans(world, jobs, runner=_run_job, outdir=outdir)
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------
