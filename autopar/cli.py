@@ -66,37 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run", help="train a model under a plan (--plan, or searched for this launch) on a token dataset")
-    run.add_argument("--plan", metavar="PATH", help="plan file from `autopar plan --save-plan`; "
-                     "give --model/--model-config of the model it was made for")
-    run.add_argument("--model", required=True, help="zoo name (e.g. gpt, llama, gpt2-124m)")
-    run.add_argument("--model-config", default=None, metavar="K=V,...", help="overrides, e.g. layers=4,hidden=256")
-    run.add_argument("--cluster", help="preset name or YAML/JSON cluster file to search a plan for the running "
-                     "world size (WORLD_SIZE, default 1) when no --plan is given")
-    run.add_argument("--strategy", default="", help="fixed keys for the search (e.g. dp=2,tp=2); with --plan, "
-                     "checked against the plan")
-    run.add_argument("--steps", type=int, required=True, help="optimizer steps to train")
-    run.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
-    run.add_argument("--global-batch", type=int, help="sequences per optimizer step (default with --plan: the plan's)")
-    run.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32"],
-                     help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
-    run.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
-    run.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order (default 0)")
-    run.add_argument("--data", metavar="DIR", default=None,
-                     help="dataset from `autopar data prepare` (default: the embedded Python-stdlib corpus, byte-level, "
-                     "vocab 257; `synthetic`: the old random-walk token stream)")
-    run.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (and a final one at the end)")
-    run.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
-                     help="save a checkpoint every K steps (needs --checkpoint-dir)")
-    run.add_argument("--resume", default="auto", metavar="auto|PATH|none",
-                     help="auto (default): continue from the latest good checkpoint in --checkpoint-dir, if any; "
-                     "PATH: from that checkpoint; none: start fresh")
-    run.add_argument("--keep-last", type=int, default=3, metavar="N", help="checkpoints kept (default 3)")
-    run.add_argument("--async-checkpoint", action="store_true",
-                     help="write checkpoints in the background while training continues")
-    run.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off; default 1)")
-    run.add_argument("--log-every", type=int, default=10, help="log every K steps (default 10)")
-    run.add_argument("--metrics", metavar="PATH", help="write one JSON line per logged step to PATH")
-    run.add_argument("--dry-run", action="store_true", help="print the plan and its prediction, train nothing")
+    from autopar.run_config import add_run_arguments
+
+    add_run_arguments(run)
     run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     run.set_defaults(handler=_run)
     return parser

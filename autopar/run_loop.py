@@ -1,0 +1,254 @@
+"""The training loop of `autopar run` and what it reports: log lines, a progress bar, JSONL metrics,
+TensorBoard events, checkpoints, and a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import AutoparError
+from autopar.run_data import SyntheticTokens
+
+GiB = 2**30
+
+
+class StopRequest:
+    """SIGTERM sets a flag; the loop finishes its step, saves a checkpoint and returns (exit 0).
+    Python delivers signals on the main thread only, so elsewhere (a test's thread) nothing is installed."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+
+
+class Reporter:
+    """Rank 0's outputs: log lines (through the bar when there is one), JSONL metrics, TensorBoard."""
+
+    def __init__(self, config, rank: int, first_step: int) -> None:
+        self.active = rank == 0
+        self.bar = self.metrics = self.board = None
+        if not self.active:
+            return
+        try:
+            show_bar = config.progress if config.progress is not None else sys.stderr.isatty()
+            if show_bar:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=config.steps, initial=first_step - 1, unit="step", dynamic_ncols=True,
+                                file=sys.stderr, desc="training")
+            if config.metrics:
+                self.metrics = MetricsFile(config.metrics, keep_through_step=first_step - 1 if first_step > 1 else None)
+            if config.tensorboard:
+                self.board = _tensorboard_writer(config.tensorboard, purge_step=first_step if first_step > 1 else None)
+        except BaseException:
+            self.close()
+            raise
+
+    def say(self, line: str) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
+    def advance(self, step: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+        if self.board is not None:
+            step = record["step"]
+            for key in ("loss", "tokens_per_s", "mfu", "peak_memory_bytes"):
+                if record.get(key) is not None:
+                    self.board.add_scalar(f"train/{key}", record[key], step)
+            self.board.flush()
+
+    def close(self) -> None:
+        for thing in (self.bar, self.metrics, self.board):
+            if thing is not None:
+                thing.close()
+        self.bar = self.metrics = self.board = None
+
+
+def _tensorboard_writer(directory: str, purge_step: int | None):
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise AutoparError("--tensorboard needs the tensorboardX package: pip install tensorboardX") from None
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise AutoparError(f"cannot create --tensorboard {directory}: {error.strerror}") from None
+    # purge_step: a resumed run hides the events a crashed run wrote after its last checkpoint
+    return SummaryWriter(logdir=directory, purge_step=purge_step)
+
+
+class TrainingLoop:
+    """The steps, their measurements and the checkpoints; one per `autopar run`."""
+
+    def __init__(self, config, env, parallel, optimizer, data, checkpointer, plan, tokens_per_step: int,
+                 data_name: str) -> None:
+        self.config, self.env, self.parallel, self.optimizer = config, env, parallel, optimizer
+        self.data, self.checkpointer, self.plan = data, checkpointer, plan
+        self.tokens_per_step, self.data_name = tokens_per_step, data_name
+
+    def local_rows(self):
+        """This dp rank's rows of the next global batch, on the model's device."""
+        if isinstance(self.data, SyntheticTokens):  # every rank draws the whole batch
+            return self.parallel.local_batch(self.data.next_batch())
+        tokens, _ = self.data.next()
+        return tokens
+
+    def step(self) -> float:
+        """`ParallelModel.train_step` on this rank's rows alone (the loader reads no other rank's)."""
+        parallel, optimizer = self.parallel, self.optimizer
+        loss_sum = parallel.forward_backward(self.local_rows())
+        parallel.sync_gradients()
+        if self.config.max_grad_norm > 0:
+            parallel.clip_grad_norm_(self.config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return parallel.global_loss(loss_sum)
+
+    def save(self, step: int, reporter: Reporter) -> None:
+        extra = {"step": step, "data": self.data.state_dict(), "data_name": self.data_name,
+                 "plan": self.plan.to_json(), "config": self.config.json_record(),
+                 "world_size": self.env.world_size}
+        path = self.checkpointer.save(step, self.parallel, self.optimizer, extra)
+        verb = "saving" if self.checkpointer.async_save else "saved"
+        reporter.say(f"{verb} checkpoint {path}")
+
+    def stop_requested(self, stop: StopRequest, device) -> bool:
+        """Whether any rank got SIGTERM: all ranks stop after the same step (one scalar all-reduce)."""
+        if self.env.world_size == 1:
+            return stop.requested
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if stop.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def peak_memory_bytes(self, device) -> int:
+        """The largest peak of any rank (CUDA only; 0 elsewhere)."""
+        if device.type != "cuda":
+            return 0
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([torch.cuda.max_memory_allocated(device)], dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
+    def loop(self, first_step: int, last_step: int, stop: StopRequest, reporter: Reporter, num_params: int,
+             peak: float | None, nominal: bool) -> int:
+        """Train steps first_step..last_step; returns the last step trained (earlier on SIGTERM)."""
+        import torch
+
+        config = self.config
+        device = self.parallel.layout.device
+        cuda = device.type == "cuda"
+        every = config.checkpoint_every
+        started = time.perf_counter()
+        interval_steps = 0
+        for step in range(first_step, last_step + 1):
+            loss = self.step()
+            interval_steps += 1
+            if not math.isfinite(loss):
+                raise AutoparError(f"the loss is {loss} at step {step}: lower --lr, set --max-grad-norm, or use "
+                                   f"--precision fp32/bf16", exit_code=1)
+            reporter.advance(step, loss)
+            if step % config.log_every == 0:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - started
+                tokens_per_s = self.tokens_per_step * interval_steps / elapsed if elapsed > 0 else 0.0
+                peak_memory = self.peak_memory_bytes(device)
+                mfu = 6 * num_params * tokens_per_s / peak if peak else None
+                memory = f"  peak memory {peak_memory / GiB:.2f} GiB" if cuda else ""
+                shown = "n/a" if mfu is None else f"{mfu:.1%}" + (" (nominal)" if nominal else "")
+                reporter.say(f"step {step:>6}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  MFU {shown}{memory}")
+                reporter.record({"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                                 "mfu_nominal": nominal, "peak_memory_bytes": peak_memory, "data": self.data_name})
+            stopping = self.stop_requested(stop, device)
+            due = step == config.steps or stopping or (every is not None and step % every == 0)
+            if self.checkpointer is not None and due:
+                self.save(step, reporter)
+            if stopping:
+                saved = "checkpoint saved" if self.checkpointer is not None else "no --checkpoint-dir, nothing saved"
+                reporter.say(f"SIGTERM: stopped after step {step} ({saved})")
+                return step
+            if step % config.log_every == 0:  # the next interval starts after any save
+                started = time.perf_counter()
+                interval_steps = 0
+        return last_step
+
+
+class MetricsFile:
+    """JSONL, one complete line per write (a single write call each), so a crash never leaves half a line."""
+
+    def __init__(self, path: str, keep_through_step: int | None = None) -> None:
+        kept = _records_through(path, keep_through_step) if keep_through_step is not None else b""
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            if kept:
+                os.write(self.fd, kept)
+        except OSError as error:
+            raise AutoparError(f"cannot write {path}: {error.strerror}; choose a writable location") from None
+        self.path = path
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            written = os.write(self.fd, line)
+        except OSError as error:
+            raise AutoparError(f"cannot write {self.path}: {error.strerror}; check free space", exit_code=1) from None
+        if written != len(line):
+            raise AutoparError(f"short write to {self.path}: check free space", exit_code=1)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _records_through(path: str, last_step: int) -> bytes:
+    """A resumed run's metrics continue the file: the lines up to the checkpoint's step are kept,
+    those after it (the steps the resumed run trains again) dropped."""
+    try:
+        lines = Path(path).read_bytes().splitlines(keepends=True)
+    except OSError:
+        return b""
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return b"".join(kept)
