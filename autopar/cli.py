@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "recompute=full,schedule=1f1b,vp=1,sp=true; keys left out are chosen by the cost model")
     plan.add_argument("--json", metavar="PATH", help="write the prediction as JSON to PATH, or - for stdout")
     plan.add_argument("--save-plan", metavar="PATH", help="write the chosen plan (the file `autopar run --plan` reads)")
+    plan.add_argument("--report", metavar="PATH", help="write a self-contained HTML report (mesh, schedule, memory, "
+                      "breakdown, alternatives, sharding) to PATH")
+    plan.add_argument("--trace", metavar="PATH", help="write the predicted step as a Chrome/Perfetto trace (JSON) to PATH")
     plan.add_argument("--no-ilp", action="store_true", help="skip the intra-op ILP (Megatron-style tensor parallelism)")
     plan.add_argument("--profile", metavar="DB", help="calibrate the roofline from this profile database")
     plan.add_argument("--profile-device", metavar="NAME",
@@ -134,6 +137,11 @@ def _plan(args: argparse.Namespace) -> int:
 
     from cost_models.whatif import _check_fixed_degrees
 
+    from autopar.report_html import check_output_path
+
+    for flag, path in (("--report", args.report), ("--trace", args.trace)):
+        if path:
+            check_output_path(path, flag)  # before the (possibly long) search
     fixed = parse_strategy(args.strategy)
     cluster = load_cluster(args.cluster, gpus=args.gpus)
     _check_fixed_degrees(fixed, cluster.world_size)  # before the (possibly long) trace
@@ -168,6 +176,16 @@ def _plan(args: argparse.Namespace) -> int:
         if args.json:
             atomic_write_text(args.json, json.dumps(summary, indent=2))
         print(render(summary))
+    if args.report:
+        from autopar.report_html import write_report
+
+        write_report(args.report, summary)
+        print(f"wrote report {args.report}", file=sys.stderr)
+    if args.trace:
+        from autopar.report_trace import render_trace
+
+        atomic_write_text(args.trace, render_trace(summary))
+        print(f"wrote trace {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
     if result.best is None:
         from cost_models.memory import state_bytes_per_param
 

@@ -24,9 +24,19 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())
+            os.fchmod(stream.fileno(), _default_mode())  # mkstemp makes 0600; a report or plan is for sharing
         os.replace(temporary, target)
     except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
         if isinstance(error, OSError):
             raise AutoparError(f"cannot write {target}: {error.strerror}; check free space and permissions") from None
         raise
+
+
+def _default_mode() -> int:
+    """0666 less the process umask: what open() would have given the file."""
+    return 0o666 & ~_UMASK
+
+
+_UMASK = os.umask(0)  # read once, at import (os.umask can only be read by setting it)
+os.umask(_UMASK)

@@ -1,10 +1,14 @@
 """What `autopar plan` reports: the chosen strategy, its prediction, stages, runners-up and why-not rows.
 
-One report model (`plan_summary`, plain data: the `--json` output) and its terminal renderer.
+One report model (`plan_summary`, plain data: the `--json` output) and its renderers: the terminal
+(`render`, here), HTML (`autopar.report_html`) and a Chrome/Perfetto trace (`autopar.report_trace`).
+Renderers read only this plain data, so a saved `--json` file can be rendered again later.
+`compare` adds measured figures next to the predicted ones (`render_comparison` for the terminal).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from cost_models.evaluate import Evaluation
@@ -62,9 +66,130 @@ def plan_summary(result: Any, *, model: str, cluster: Any, global_batch: int, se
                                                           "num_microbatches", "schedule", "vp")},
                      "reason": w.reason} for w in result.why_not],
     })
+    summary["mesh"] = mesh_summary(summary["strategy"], cluster)
+    if chosen.evaluation.pipeline is not None:
+        summary["pipeline"] = pipeline_summary(summary, chosen.evaluation.pipeline)
     if plan is not None:
         summary["plan"] = plan.model_dump(mode="json")
+        summary["sharding"] = sharding_summary(summary["plan"]["param_placements"],
+                                               [a["name"] for a in summary["plan"]["mesh"] if a["name"] != "pp"])
     return summary
+
+
+_MESH_AXES = ("pp", "dp", "tp")  # row-major, tp innermost: the runtime's order (runtime/mesh.py)
+
+
+def mesh_summary(strategy: dict[str, Any], cluster: Any) -> dict[str, Any]:
+    """Where each mesh axis's groups sit on the cluster, and which link they talk over.
+
+    Groups are described by size and stride instead of listed, so a 1,024-GPU summary stays small;
+    `group_ranks` lists any one group.
+    """
+    sizes = {axis: int(strategy[axis]) for axis in _MESH_AXES}
+    per_node = cluster.gpus_per_node
+    intra = getattr(cluster, "intra_node", None)
+    inter = getattr(cluster, "inter_node", None)
+    links = {"intra_node": None if intra is None else {"name": intra.name, "bandwidth_bytes_per_s": intra.bandwidth_bytes_per_s},
+             "inter_node": None if inter is None else {"name": inter.name, "bandwidth_bytes_per_s": inter.bandwidth_bytes_per_s}}
+    axes = {}
+    stride = 1
+    for axis in reversed(_MESH_AXES):
+        size = sizes[axis]
+        first = [k * stride for k in range(size)]
+        nodes = len({rank // per_node for rank in first})
+        inside = nodes == 1
+        if size == 1:
+            link = "none"
+        elif inside:
+            link = links["intra_node"]["name"] if links["intra_node"] else "intra-node"
+        else:
+            link = links["inter_node"]["name"] if links["inter_node"] else "inter-node"
+        axes[axis] = {"size": size, "stride": stride, "groups": cluster.world_size // size, "nodes_per_group": nodes,
+                      "within_node": inside, "link": link, "first_group": first}
+        stride *= size
+    return {"order": list(_MESH_AXES), "world_size": cluster.world_size, "gpus_per_node": per_node,
+            "num_nodes": cluster.num_nodes, "links": links, "axes": axes}
+
+
+def group_ranks(mesh: dict[str, Any], axis: str, rank: int) -> list[int]:
+    """The ranks of `rank`'s group along `axis` (vary that axis's coordinate, keep the others)."""
+    info = mesh["axes"][axis]
+    stride, size = info["stride"], info["size"]
+    base = rank - ((rank // stride) % size) * stride
+    return [base + k * stride for k in range(size)]
+
+
+def coordinates(mesh: dict[str, Any], rank: int) -> dict[str, int]:
+    """A rank's (pp, dp, tp) coordinates in the row-major mesh."""
+    return {axis: (rank // mesh["axes"][axis]["stride"]) % mesh["axes"][axis]["size"] for axis in _MESH_AXES}
+
+
+def pipeline_summary(summary: dict[str, Any], pipe: Any) -> dict[str, Any]:
+    """The schedule's inputs and results, enough to redraw it (`autopar.report_timeline`).
+
+    The transfer time between stages is read off the simulated timeline (the first micro-batch's
+    forward reaches stage 1 that long after stage 0 finished it). The evaluator keeps the
+    per-rank gradient-sync and optimizer times internal; the breakdown holds the critical rank's,
+    so other ranks get the optimizer scaled by their optimizer-state bytes and the same exposed
+    sync, capped so that no rank ends after the step.
+    """
+    s = summary["strategy"]
+    p = summary["predicted"]
+    p2p_s = 0.0
+    if s["pp"] > 1:
+        first = {(x.kind, x.stage, x.microbatch): x for x in pipe.timeline}
+        if ("F", 0, 0) in first and ("F", 1, 0) in first:
+            p2p_s = max(first[("F", 1, 0)].start_s - first[("F", 0, 0)].end_s, 0.0)
+    ends, busy = list(pipe.rank_end_s), list(pipe.rank_busy_s)
+    bubble = p["breakdown"].get("bubble", 0.0)
+    matching = [r for r in range(s["pp"]) if abs(max(ends[r] - busy[r], 0.0) - bubble) <= 1e-9 * max(1.0, bubble)]
+    critical = max(matching or range(s["pp"]), key=lambda r: ends[r])
+    states = [m["optimizer_states"] for m in p["memory_breakdown_bytes"]]
+    optimizer = [p["breakdown"].get("optimizer", 0.0) * (x / states[critical] if states[critical] else 1.0)
+                 for x in states]
+    sync_critical = max(p["step_time_s"] - ends[critical] - optimizer[critical], 0.0)
+    sync = [sync_critical if r == critical else max(min(sync_critical, p["step_time_s"] - ends[r] - optimizer[r]), 0.0)
+            for r in range(s["pp"])]
+    return {"schedule": s["schedule"], "pp": s["pp"], "vp": s["vp"], "num_microbatches": s["num_microbatches"],
+            "p2p_s": p2p_s, "makespan_s": pipe.step_time_s, "rank_busy_s": busy, "rank_end_s": ends,
+            "critical_rank": critical, "exposed_sync_s": sync, "optimizer_s": optimizer}
+
+
+_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def sharding_summary(param_placements: dict[str, str], axes: list[str]) -> list[dict[str, Any]]:
+    """Placements per module, repeated layers with identical placements folded into one row."""
+    modules: dict[str, dict[str, str]] = {}
+    for name, placement in param_placements.items():
+        match = _INDEX.search(name)
+        if match:
+            prefix, index = name[:match.start()], int(match.group(1))
+            module, leaf = f"{prefix}.{index}", name[match.end():]
+        else:
+            module, _, leaf = name.rpartition(".")
+            module = module or name
+        modules.setdefault(module, {})[leaf] = placement
+    rows: list[dict[str, Any]] = []
+    for module, params in modules.items():
+        prefix, _, index = module.rpartition(".")
+        previous = rows[-1] if rows else None
+        if (index.isdigit() and previous and previous["prefix"] == prefix and previous["params"] == params
+                and previous["last"] == int(index) - 1):
+            previous["last"] = int(index)
+            previous["count"] += 1
+            continue
+        rows.append({"prefix": prefix if index.isdigit() else module, "first": int(index) if index.isdigit() else None,
+                     "last": int(index) if index.isdigit() else None, "count": 1, "params": params})
+    for row in rows:
+        if row["first"] is None:
+            row["modules"] = row["prefix"]
+        elif row["count"] == 1:
+            row["modules"] = f"{row['prefix']}.{row['first']}"
+        else:
+            row["modules"] = f"{row['prefix']}.{row['first']}–{row['last']}"
+        row["axes"] = axes
+    return rows
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -125,4 +250,66 @@ def render(summary: dict[str, Any]) -> str:
         lines += ["", f"searched {search['candidates']:,} strategies in {search['seconds']:.1f} s"
                   + (f" (ILP: {search['ilp_variables']:,} variables, {search['ilp_solve_s']:.1f} s)"
                      if search["ilp_variables"] else "")]
+    return "\n".join(lines)
+
+
+def _predicted_view(predicted_source: Any) -> dict[str, Any]:
+    """Predicted figures from a plan summary, a Plan, or a plan's JSON dict (what `run` holds)."""
+    if hasattr(predicted_source, "model_dump"):
+        predicted_source = predicted_source.model_dump(mode="json")
+    if "stages" in predicted_source and "predicted" in predicted_source and "step_time_s" in predicted_source["predicted"] \
+            and "peak_memory_bytes_per_stage" in predicted_source["predicted"]:  # a plan_summary
+        p = predicted_source["predicted"]
+        return {"step_time_s": p["step_time_s"], "peak_memory_bytes": list(p["peak_memory_bytes_per_stage"]),
+                "communication_s": p["breakdown"].get("exposed_communication"),
+                "stage_time_s": [st["forward_s"] + st["backward_s"] for st in predicted_source["stages"]]}
+    p = predicted_source.get("predicted") or {}
+    return {"step_time_s": p.get("step_time_s"), "peak_memory_bytes": list(p.get("peak_memory_bytes", [])),
+            "communication_s": (p.get("breakdown") or {}).get("exposed_communication"), "stage_time_s": []}
+
+
+def compare(predicted_source: Any, measured: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of predicted against measured, for the figures both sides have.
+
+    `measured` keys (all optional): step_time_s; stage_time_s (list per virtual stage: one
+    micro-batch's forward + backward); peak_memory_bytes (list per pipeline rank); communication_s
+    (exposed communication per step). error_pct = (predicted − measured) / measured × 100.
+    """
+    predicted = _predicted_view(predicted_source)
+    rows: list[dict[str, Any]] = []
+
+    def add(metric: str, unit: str, want: Any, got: Any) -> None:
+        if want is None or got is None:
+            return
+        error = None if not got else (want - got) / got * 100.0
+        rows.append({"metric": metric, "unit": unit, "predicted": float(want), "measured": float(got),
+                     "error_pct": error})
+
+    add("step time", "s", predicted["step_time_s"], measured.get("step_time_s"))
+    for index, got in enumerate(measured.get("stage_time_s") or []):
+        want = predicted["stage_time_s"][index] if index < len(predicted["stage_time_s"]) else None
+        add(f"stage {index} fwd+bwd (one micro-batch)", "s", want, got)
+    for rank, got in enumerate(measured.get("peak_memory_bytes") or []):
+        want = predicted["peak_memory_bytes"][rank] if rank < len(predicted["peak_memory_bytes"]) else None
+        add(f"peak memory, pp rank {rank}", "bytes", want, got)
+    add("exposed communication", "s", predicted["communication_s"], measured.get("communication_s"))
+    return rows
+
+
+def format_value(value: float, unit: str) -> str:
+    if unit == "bytes":
+        return f"{value / GiB:.2f} GiB"
+    return f"{value * 1e3:.2f} ms" if value < 1.0 else f"{value:.3f} s"
+
+
+def render_comparison(rows: list[dict[str, Any]]) -> str:
+    """Predicted against measured as a terminal table."""
+    if not rows:
+        return "predicted vs measured: nothing measured to compare"
+    width = max(len(r["metric"]) for r in rows)
+    lines = ["predicted vs measured", f"  {'':<{width}}  {'predicted':>12}  {'measured':>12}  {'error':>8}"]
+    for r in rows:
+        error = "n/a" if r["error_pct"] is None else f"{r['error_pct']:+.1f}%"
+        lines.append(f"  {r['metric']:<{width}}  {format_value(r['predicted'], r['unit']):>12}  "
+                     f"{format_value(r['measured'], r['unit']):>12}  {error:>8}")
     return "\n".join(lines)

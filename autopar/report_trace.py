@@ -1,0 +1,95 @@
+"""The predicted training step as a Chrome/Perfetto trace (Trace Event Format, JSON).
+
+One process per pipeline rank (all dp×tp GPUs of a rank run the same timeline), with tracks for
+compute (forward/backward passes, which include their tensor-parallel collectives as the cost
+model does, then the optimizer step), point-to-point sends between stages, and the exposed
+data-parallel gradient sync. Times are microseconds from the start of the step, so the file
+opens beside a torch.profiler trace in Perfetto or chrome://tracing. Built from the plan summary
+only (`autopar.plan_report.plan_summary`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from autopar.report_timeline import schedule_inputs, timeline
+
+US_PER_S = 1e6
+COMPUTE_TID = 1
+SEND_TID = 10  # first send lane; overlapping sends get the next lanes (11, 12, ...)
+SYNC_TID = 2
+
+
+def _lane(lanes: dict[tuple[int, int], list[float]], pid: int, base: int, start_us: float, end_us: float) -> int:
+    """First lane of `base` free at `start_us`, so events on one track never overlap."""
+    free = lanes.setdefault((pid, base), [])
+    for index, busy_until in enumerate(free):
+        if busy_until <= start_us + 1e-6:
+            free[index] = end_us
+            return base + index
+    free.append(end_us)
+    return base + len(free) - 1
+
+
+def trace_events(summary: dict[str, Any]) -> dict[str, Any]:
+    """The trace as a dict: {"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}."""
+    inputs = schedule_inputs(summary)
+    pp, stages = inputs["pp"], inputs["pp"] * inputs["vp"]
+    p2p_us = inputs["p2p_s"] * US_PER_S
+    pipeline = summary.get("pipeline") or {}
+    gpus_per_rank = summary["strategy"]["dp"] * summary["strategy"]["tp"]
+    events: list[dict[str, Any]] = []
+    lanes: dict[tuple[int, int], list[float]] = {}
+    send_lanes: set[tuple[int, int]] = set()
+    rank_end_us = [0.0] * pp
+
+    def complete(name: str, cat: str, pid: int, tid: int, start_us: float, dur_us: float, **args: Any) -> None:
+        events.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": round(start_us, 3),
+                       "dur": round(dur_us, 3), "args": args})
+
+    for x in timeline(summary):
+        rank, start_us, end_us = x["rank"], x["start_s"] * US_PER_S, x["end_s"] * US_PER_S
+        rank_end_us[rank] = max(rank_end_us[rank], end_us)
+        forward = x["kind"] == "F"
+        complete(f"{'forward' if forward else 'backward'} mb{x['microbatch']} stage{x['stage']}",
+                 "forward" if forward else "backward", rank, COMPUTE_TID, start_us, end_us - start_us,
+                 microbatch=x["microbatch"], virtual_stage=x["stage"], includes="tensor-parallel collectives")
+        target = x["stage"] + 1 if forward else x["stage"] - 1
+        if pp > 1 and p2p_us > 0 and 0 <= target < stages:
+            tid = _lane(lanes, rank, SEND_TID, end_us, end_us + p2p_us)
+            send_lanes.add((rank, tid))
+            complete(f"send {'activations' if forward else 'gradients'} mb{x['microbatch']} → stage{target}",
+                     "p2p", rank, tid, end_us, p2p_us, microbatch=x["microbatch"], to_stage=target,
+                     to_rank=target % pp)
+    sync_s = pipeline.get("exposed_sync_s") or [0.0] * pp
+    optimizer_s = pipeline.get("optimizer_s") or [summary["predicted"]["breakdown"].get("optimizer", 0.0)] * pp
+    for rank in range(pp):
+        start_us = rank_end_us[rank]
+        if sync_s[rank] > 0:
+            complete("gradient sync (exposed)", "dp", rank, SYNC_TID, start_us, sync_s[rank] * US_PER_S,
+                     note="data-parallel reduction not hidden behind the last backward, plus ZeRO gathers")
+            start_us += sync_s[rank] * US_PER_S
+        if optimizer_s[rank] > 0:
+            complete("optimizer step", "optimizer", rank, COMPUTE_TID, start_us, optimizer_s[rank] * US_PER_S)
+    metadata: list[dict[str, Any]] = []
+    for rank in range(pp):
+        first = rank * gpus_per_rank
+        metadata += [
+            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+             "args": {"name": f"pp rank {rank} (GPUs {first}–{first + gpus_per_rank - 1})"}},
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": COMPUTE_TID, "args": {"name": "compute"}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": SYNC_TID, "args": {"name": "communication: dp sync"}},
+        ]
+    for rank, tid in sorted(send_lanes):
+        metadata.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                         "args": {"name": f"communication: p2p send{'' if tid == SEND_TID else f' {tid - SEND_TID + 1}'}"}})
+    return {"traceEvents": metadata + events, "displayTimeUnit": "ms",
+            "otherData": {"source": "autopar plan (predicted)", "model": summary.get("model"),
+                          "strategy": json.dumps(summary["strategy"]),
+                          "step_time_s": summary["predicted"]["step_time_s"]}}
+
+
+def render_trace(summary: dict[str, Any]) -> str:
+    return json.dumps(trace_events(summary), separators=(",", ":"))
