@@ -25,6 +25,10 @@ class Capabilities:
     # only when this accepts them; None means no model is at hand and the ILP's placements are
     # trusted (what-if studies, benchmarks).
     check_placements: Callable[[dict[str, str]], str | None] | None = None
+    # Why the model being planned cannot run tensor parallelism (tp > 1) or pipeline stages (pp > 1)
+    # on this runtime, whatever the placements; None when it can, or when no model is at hand.
+    tensor_parallel_refusal: str | None = None
+    pipeline_refusal: str | None = None
 
     def supports(self, strategy: Strategy) -> str | None:
         """None when the runtime can execute `strategy`, else the reason it cannot."""
@@ -38,6 +42,10 @@ class Capabilities:
             return "the runtime has no sequence parallelism"
         if strategy.vp > self.max_vp:
             return f"the runtime runs at most {self.max_vp} virtual stages per rank"
+        if strategy.tp > 1 and self.tensor_parallel_refusal:
+            return self.tensor_parallel_refusal
+        if strategy.pp > 1 and self.pipeline_refusal:
+            return self.pipeline_refusal
         return None
 
 

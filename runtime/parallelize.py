@@ -20,7 +20,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from autopar.capabilities import RUNTIME_CAPABILITIES
 from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan import Plan
@@ -30,7 +29,7 @@ from runtime.mesh import RankLayout, build_layout
 from runtime.pipeline import build_schedule, check_stage_cover, stage_module, tied_pp_ranks
 from runtime.precision import autocast, fsdp_policy
 from runtime.recompute import apply_recompute
-from runtime.tensor_parallel import apply_tensor_parallel, default_head_path, tp_placement
+from runtime.tensor_parallel import apply_tensor_parallel, capabilities_for, default_head_path, tp_placement
 
 
 @dataclass
@@ -248,7 +247,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
             f"({plan.provenance.model_name}), this model is {fingerprint}: re-run `autopar plan` for this model"
         )
     s = plan.strategy
-    unsupported = RUNTIME_CAPABILITIES.supports(s)
+    unsupported = capabilities_for(model).supports(s)
     if unsupported:
         raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
     check_stage_cover(model, plan)
@@ -272,7 +271,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         apply_recompute(module, plan.recompute_modules, s.recompute)
         # 5. ZeRO: FSDP2 units per block over the dp axis
         if s.zero >= 1:
-            blocks = [p for p in stage_paths[index] if _is_block(module, p)]
+            blocks = _innermost([p for p in stage_paths[index] if _is_block(module, p)])
             apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision))
         # 6. materialize this rank's shards with the sharding-independent init
         materialize(module, source, layout.device)
@@ -303,6 +302,12 @@ def _is_block(module: nn.Module, path: str) -> bool:
     outside = {id(p) for name, p in module.named_parameters(remove_duplicate=False)
                if not name.startswith(path + ".")}
     return not inside & outside
+
+
+def _innermost(blocks: list[str]) -> list[str]:
+    """Blocks that contain no other block: a container of layers (Hugging Face's `model` around
+    `model.layers.N`) is not a unit of its own; its other parameters join the root unit."""
+    return [b for b in blocks if not any(o != b and o.startswith(b + ".") for o in blocks)]
 
 
 def _tied_groups(model: nn.Module, plan: Plan, layout: RankLayout) -> list[tuple[str, dist.ProcessGroup, list[int]]]:

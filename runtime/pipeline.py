@@ -41,6 +41,28 @@ def stage_module(reference: nn.Module, module_paths: list[str]) -> nn.Module:
     return stage
 
 
+def pipeline_refusal(model: nn.Module) -> str | None:
+    """Why `stage_module` cannot cut `model` into stages, or None.
+
+    Stages are cut at the root's children and at the blocks of a root-level container, and the
+    root's forward skips what is removed. Repeated blocks nested deeper (Hugging Face's
+    `model.layers.N` inside a `LlamaModel` whose forward calls every part) cannot be cut that way.
+    """
+    for path, module in model.named_modules():
+        if not path or not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        blocks = [child for child in module.children() if any(True for _ in child.parameters())]
+        if len(blocks) < 2 or len({type(b) for b in blocks}) != 1:
+            continue
+        if "." in path:
+            parent = path.rpartition(".")[0]
+            return (f"the runtime cuts pipeline stages only at the root's children and the blocks of a root-level "
+                    f"container; the repeated blocks of {path!r} sit inside {parent!r} "
+                    f"({type(model.get_submodule(parent)).__name__}), whose forward runs them all")
+        return None  # the outermost repeated blocks are cuttable (any nested inside them are not cut)
+    return None
+
+
 def check_stage_cover(reference: nn.Module, plan: Plan) -> None:
     """Every parameter must live on some stage; a module listed must exist."""
     modules = dict(reference.named_modules())

@@ -41,9 +41,31 @@ def default_head_path(model: nn.Module) -> str | None:
 
 
 def capabilities_for(model: nn.Module) -> Capabilities:
-    """The runtime's capability table, with the placement check bound to `model` (for the searcher)."""
+    """The runtime's capability table for `model`: the placement check bound to it, and what it cannot
+    run at all (so the searcher never offers it)."""
+    from runtime.pipeline import pipeline_refusal
+
     return dataclasses.replace(RUNTIME_CAPABILITIES,
-                               check_placements=lambda placements: check_tp_placements(model, placements, sp=False))
+                               check_placements=lambda placements: check_tp_placements(model, placements, sp=False),
+                               tensor_parallel_refusal=tensor_parallel_refusal(model),
+                               pipeline_refusal=pipeline_refusal(model))
+
+
+def tensor_parallel_refusal(model: nn.Module) -> str | None:
+    """Why `model` cannot run tensor parallelism here, or None.
+
+    The cost model shards every 2-D weight a matmul reads; the runtime shards only nn.Linear and
+    nn.Embedding weights, so a module with another 2-D weight (e.g. GPT-2's Conv1D, whose weight is
+    stored (in, out)) would be planned sharded but could not run so.
+    """
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        for attr, param in module._parameters.items():
+            if param is not None and param.dim() == 2:
+                return (f"the runtime shards only nn.Linear and nn.Embedding weights for tensor parallelism; "
+                        f"{path + '.' if path else ''}{attr} belongs to a {type(module).__name__}")
+    return None
 
 
 def check_tp_placements(model: nn.Module, placements: dict[str, str], sp: bool) -> str | None:
@@ -64,7 +86,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
     """Shard `model` in place over `tp_mesh`; `head_path` names the Linear producing the logits.
 
     With `vocab_parallel_loss` the logits stay sharded over the vocabulary (the loss must run under
-    `loss_parallel`); without, they are all-gathered (pipeline stages pass plain tensors).
+    `loss_parallel`); without, they are all-gathered (pipeline stages pass plain tensors). Under sp
+    with `vocab_parallel_loss`, the sequence-sharded residual stream stays DTensors, so a forward that
+    reads its global shape (Hugging Face's positions and causal mask, from the embedding output)
+    sees the whole sequence; stages hand on local shards instead.
     """
     styles = _styles(model, placements, sp, head_path=head_path, vocab_parallel_loss=vocab_parallel_loss)
     tied = _tied_groups(model)
@@ -80,6 +105,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
 def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: str | None = None,
             vocab_parallel_loss: bool = True) -> dict:
     styles: dict = {}
+    dtensor_stream = sp and vocab_parallel_loss  # see apply_tensor_parallel
     canonical = _canonical_placements(model, placements)
     kinds: dict[str, str] = {}  # module path -> "col" | "row" | "rep"
     for path, module in model.named_modules():
@@ -108,14 +134,16 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                 if bias not in (None, "R"):
                     raise AutoparError(f"{path}.bias is {bias} but a row-parallel Linear adds a replicated bias")
                 kinds[path] = "row"
-                styles[path] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+                styles[path] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate(),
+                                               use_local_output=not dtensor_stream)
             else:
                 raise AutoparError(f"{path}.weight placement {weight} over tp is not executable: use R, S(0) or S(1)")
         elif isinstance(module, nn.Embedding):
             weight = own.get("weight", "R")
             if weight == "S(0)":
                 styles[path] = RowwiseParallel(input_layouts=Replicate(),
-                                               output_layouts=Shard(_sequence_dim(path)) if sp else Replicate())
+                                               output_layouts=Shard(_sequence_dim(path)) if sp else Replicate(),
+                                               use_local_output=not dtensor_stream)
             elif weight == "S(1)":
                 if sp:
                     raise AutoparError(f"{path}: a hidden-sharded embedding (S(1)) with sequence parallelism is not "

@@ -57,6 +57,61 @@ def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_ba
     return build_plan(chosen, graph, facts, cluster)
 
 
+def plan_for(module, example_inputs, loss_fn, *, name: str, seq_len: int, heads: int, kv_heads: int, vocab: int,
+             strategy: dict, world: int, global_batch: int, use_ilp: bool = False):
+    """`make_plan` for any module (not only the zoo's): trace, search under the runtime's capabilities
+    for this module, build the plan: the path a user's own model takes."""
+    from autopar.cluster import load_cluster
+    from autopar.graph import trace
+    from cost_models.facts import model_facts
+    from runtime.tensor_parallel import capabilities_for
+    from searcher.plan_builder import build_plan
+    from searcher.search import search
+
+    graph = trace(module, example_inputs, loss_fn=loss_fn, precision="fp32", name=name, seq_len=seq_len)
+    facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
+    cluster = load_cluster("dgx-h100", gpus=world)
+    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp,
+                    capabilities=capabilities_for(module))
+    chosen = result.best or result.ranked[0]
+    for key, value in strategy.items():
+        assert getattr(chosen.strategy, key) == value, (key, chosen.strategy)
+    return build_plan(chosen, graph, facts, cluster)
+
+
+def train_reference(module, loss_fn, data: list[torch.Tensor]) -> tuple[list[float], dict]:
+    """One process trains `module` in place on whole batches (what `reference_run` does for the zoo)."""
+    optimizer = make_optimizer(module.parameters())
+    losses = []
+    for batch in data:
+        loss = loss_fn(module(batch), batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def train_parallel(module, loss_fn, plan, data: list[torch.Tensor]) -> dict:
+    """`run_job` for any module: parallelize, train, count the last step's collectives, gather weights."""
+    from runtime.collectives import CollectiveCounter, group_axes
+    from runtime.parallelize import parallelize
+
+    parallel = parallelize(module, plan, loss_fn=loss_fn, seed=SEED)
+    optimizer = make_optimizer(parallel.parameters())
+    placements = parallel.executed_placements()
+    losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in data[:-1]]
+    with CollectiveCounter(group_axes(parallel)) as counter:
+        losses.append(parallel.train_step(data[-1], optimizer, max_grad_norm=MAX_GRAD_NORM))
+    result = {"losses": losses, "placements": placements, "pp_rank": parallel.layout.pp_rank,
+              "collectives": counter.counts.as_rows()}
+    state = parallel.full_state_dict()
+    if parallel.layout.dp_rank == 0 and parallel.layout.tp_rank == 0:
+        result["state"] = state
+    return result
+
+
 def batches(vocab: int, global_batch: int, seq_len: int, steps: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(SEED + 1)
     return [torch.randint(0, vocab, (global_batch, seq_len), generator=generator) for _ in range(steps)]
