@@ -28,6 +28,7 @@ from autopar.errors import AutoparError
 from autopar.run_config import RunConfig, run_config
 from autopar.run_data import SYNTHETIC, SyntheticTokens, open_data
 from autopar.run_loop import Reporter, StopRequest, TrainingLoop
+from autopar.run_profile import check_profile_outputs, train_with_profile
 
 GiB = 2**30
 
@@ -89,6 +90,7 @@ def _run(args: RunConfig, env: Environment) -> int:
     from cost_models.strategy import parse_strategy
 
     args.check()
+    check_profile_outputs(args)
     fixed = parse_strategy(args.strategy)
     cluster = _planning_cluster(args.cluster, env.world_size) if args.cluster else None
     if args.plan is None and cluster is None:
@@ -295,7 +297,10 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
         reporter = Reporter(args, env.rank, first_step)
         try:
             with StopRequest() as stop:
-                loop.loop(first_step, args.steps, stop, reporter, num_params, peak, nominal)
+                if args.profile_steps:
+                    train_with_profile(loop, first_step, stop, reporter, num_params, peak, nominal)
+                else:
+                    loop.loop(first_step, args.steps, stop, reporter, num_params, peak, nominal)
         finally:
             reporter.close()
         if checkpointer is not None:

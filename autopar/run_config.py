@@ -46,6 +46,7 @@ class RunConfig(BaseModel):
     tensorboard: str | None = None
     progress: bool | None = None  # None: a bar when stderr is a terminal
     profile_steps: int = 0
+    profile_dir: str = "autopar-profile"
     report: str | None = None
     dry_run: bool = False
 
@@ -133,7 +134,10 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                      help="a progress bar on rank 0 (default: when stderr is a terminal)")
     run.add_argument("--profile-steps", type=int, metavar="N",
                      help="after the first step, record N steps with torch.profiler and print predicted vs measured")
-    run.add_argument("--report", metavar="PATH", help="with --profile-steps: also write the comparison as HTML")
+    run.add_argument("--profile-dir", metavar="DIR",
+                     help="where --profile-steps writes each rank's trace (default ./autopar-profile)")
+    run.add_argument("--report", metavar="PATH",
+                     help="with --profile-steps: append the comparison to this `autopar plan --report` page")
     run.add_argument("--dry-run", action="store_true", help="print the plan and its prediction, train nothing")
     for action in run._actions:  # set_defaults would store the SUPPRESS marker itself as a value
         if action.dest != "help":
