@@ -27,14 +27,13 @@ after the new one is published. Loading verifies the manifest (the ranks share t
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
 import shutil
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,22 +44,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from autopar.errors import AutoparError
 from runtime import checkpoint_state as state_io
+from runtime.checkpoint_files import (LATEST, MANIFEST, STATE_FILE, CheckpointError, file_digests, fsync_directory,
+                                      read_pointer, step_name, verify_checkpoint, write_durably)
+
+__all__ = ["Checkpointer", "CheckpointError", "CheckpointInfo", "step_name", "verify_checkpoint"]
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-STATE_FILE = "state.json"
-LATEST = "latest"
 _PUBLISHED = re.compile(r"step-(\d+)")
-_HASH_CHUNK_BYTES = 8 * 2**20
-
-
-class CheckpointError(AutoparError):
-    """A checkpoint that cannot be used: incomplete, damaged, or from another model."""
-
-    def __init__(self, message: str, path: Path | None = None, file: str | None = None) -> None:
-        super().__init__(message)
-        self.path = path
-        self.file = file
 
 
 @dataclass(frozen=True)
@@ -76,43 +66,6 @@ class _PendingSave:
     final: Path
     future: Future
     model_fingerprint: str
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def verify_checkpoint(path: str | os.PathLike, *, part: int = 0, parts: int = 1) -> dict:
-    """The manifest of a complete checkpoint whose files have their recorded sizes and sha256;
-    otherwise CheckpointError naming the checkpoint and the file. Sizes are checked for every file,
-    hashes for the files of index `part` modulo `parts` (so ranks can share the reading)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist", path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {MANIFEST} (the save did not finish)",
-                              path, MANIFEST) from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"checkpoint {path} is damaged: {MANIFEST} is unreadable ({error})", path,
-                              MANIFEST) from None
-    names = sorted(files)
-    for name in names:
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: file {name} is missing", path, name)
-        size_bytes = file.stat().st_size
-        if size_bytes != files[name]["bytes"]:
-            raise CheckpointError(f"checkpoint {path} is damaged: file {name} has {size_bytes} bytes, the manifest "
-                                  f"records {files[name]['bytes']} (truncated or overwritten)", path, name)
-    mine = names[part::parts]
-    for name, digest in _digests(path, [path / name for name in mine]).items():
-        if digest["sha256"] != files[name]["sha256"]:
-            raise CheckpointError(f"checkpoint {path} is damaged: file {name} does not match the sha256 in its "
-                                  f"manifest (corrupted on disk)", path, name)
-    return manifest
 
 
 class Checkpointer:
@@ -169,7 +122,7 @@ class Checkpointer:
         failure_seen = None
         try:  # small files first: a full disk shows here before DCP starts
             (temporary / "rng").mkdir(exist_ok=True)
-            _write_durably(temporary / "rng" / f"rank-{self._rank():05d}.json", json.dumps(state_io.rng_state()))
+            write_durably(temporary / "rng" / f"rank-{self._rank():05d}.json", json.dumps(state_io.rng_state()))
             if self._rank() == 0:
                 record = {"format": FORMAT_VERSION, "step": step, "world_size": self._world(),
                           "strategy": str(parallel.strategy),
@@ -177,7 +130,7 @@ class Checkpointer:
                           "optimizer": type(optimizer).__name__ if optimizer is not None else None,
                           "param_groups": state_io.param_group_hyperparameters(optimizer) if optimizer else None,
                           "extra": extra}
-                _write_durably(temporary / STATE_FILE, json.dumps(record))
+                write_durably(temporary / STATE_FILE, json.dumps(record))
         except OSError as failure:
             failure_seen = (self._io_message(failure, step), True)
         self._fail_if(self._agree(failure_seen), temporary)
@@ -234,7 +187,7 @@ class Checkpointer:
         if failure_seen is None:
             own = [*temporary.glob(f"__{self._rank()}_*.distcp"), temporary / "rng" / f"rank-{self._rank():05d}.json"]
             try:
-                digests = _digests(temporary, own)
+                digests = file_digests(temporary, own)
             except OSError as failure:
                 failure_seen = (self._io_message(failure, step), True)
         gathered = self._gather((failure_seen, digests))
@@ -259,19 +212,19 @@ class Checkpointer:
     def _publish(self, step: int, temporary: Path, final: Path, fingerprint: str, digests: dict) -> None:
         rest = [p for p in temporary.rglob("*") if p.is_file() and p.name != MANIFEST
                 and p.relative_to(temporary).as_posix() not in digests]
-        files = dict(sorted({**digests, **_digests(temporary, rest)}.items()))
+        files = dict(sorted({**digests, **file_digests(temporary, rest)}.items()))
         manifest = {"format": FORMAT_VERSION, "step": step, "model_fingerprint": fingerprint,
                     "world_size": self._world(), "created_unix_s": time.time(), "files": files}
-        _write_durably(temporary / MANIFEST, json.dumps(manifest, indent=1))
-        _fsync_directory(temporary / "rng")
+        write_durably(temporary / MANIFEST, json.dumps(manifest, indent=1))
+        fsync_directory(temporary / "rng")
         replaced = self.directory / f".{final.name}.replaced.tmp"
         if final.exists():  # the same step saved again: move the old one aside, removed below
             shutil.rmtree(replaced, ignore_errors=True)
             os.rename(final, replaced)
         os.rename(temporary, final)
         try:
-            _fsync_directory(self.directory)
-            _write_durably(self.directory / LATEST, final.name + "\n")
+            fsync_directory(self.directory)
+            write_durably(self.directory / LATEST, final.name + "\n")
         except OSError:  # unpublish, so that the failure's "nothing was published" holds
             os.rename(final, temporary)
             if replaced.exists():
@@ -316,7 +269,7 @@ class Checkpointer:
 
     def _candidates(self) -> list[Path]:
         """Where `latest` points first, then every published checkpoint, newest step first."""
-        pointer = _read_pointer(self.directory)
+        pointer = read_pointer(self.directory)
         first = [self.directory / pointer] if pointer else []
         return first + [info.path for info in reversed(self.list()) if info.path not in first]
 
@@ -436,7 +389,7 @@ class Checkpointer:
 
     def _io_message(self, failure: OSError, step: int) -> str:
         where = f"checkpoint {step_name(step)} in {self.directory}"
-        kept = _read_pointer(self.directory)
+        kept = read_pointer(self.directory)
         intact = f"nothing was published; {kept} and `latest` are intact" if kept else "nothing was published"
         if failure.errno == errno.ENOSPC:
             return f"disk full while writing {where}: free space or lower keep_last; {intact}"
@@ -461,53 +414,3 @@ def _warn_skipped(skipped: list[str], chosen: Path | None) -> None:
         print(f"autopar: warning: skipping {problem}{instead}", file=sys.stderr)
 
 
-def _digests(root: Path, files: list[Path]) -> dict[str, dict]:
-    """{path relative to root: {bytes, sha256}}, files hashed in parallel (hashlib releases the GIL)."""
-    files = [f for f in files if f.is_file()]
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
-        hashes = list(pool.map(_sha256, files))
-    return {f.relative_to(root).as_posix(): {"bytes": f.stat().st_size, "sha256": h} for f, h in zip(files, hashes)}
-
-
-def _read_pointer(directory: Path) -> str | None:
-    try:
-        return (directory / LATEST).read_text().strip() or None
-    except OSError:
-        return None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while chunk := stream.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_durably(path: Path, text: str) -> None:
-    """Write to a temporary name, fsync, rename over `path`: readers see the old file or the new."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        with open(temporary, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(path: Path) -> None:
-    """Make a rename or a new file in `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        handle = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)
