@@ -5,7 +5,7 @@ from __future__ import annotations
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph
 from autopar.plan import CollectiveRecord, MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
-from cost_models.collectives import step_collectives
+from cost_models.collectives import placed_units, step_collectives
 from cost_models.facts import ModelFacts
 from searcher.search import Candidate
 
@@ -30,17 +30,18 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
         ))
     # ZeRO 1-3 run on FSDP2: parameters rest sharded over dp (gathered for compute; zero 3 also frees them after forward)
     dp_part = "S(0)" if s.zero >= 1 and s.dp > 1 else "R"
-    param_placements = {}
+    tp_placements = {}
     for param in graph.params:
         tp_part = candidate.param_placements.get(param.name)
         if tp_part is None:
             dim = facts.param_tp_dims.get(param.name)
             tp_part = f"S({dim})" if dim is not None and s.tp > 1 else "R"
-        param_placements[param.name] = dp_part + tp_part
+        tp_placements[param.name] = tp_part
     for param in graph.params:  # a column-parallel Linear's bias is split with its output features
         weight = param.name.removesuffix(".bias") + ".weight"
-        if param.name.endswith(".bias") and len(param.shape) == 1 and param_placements.get(weight, "").endswith("S(0)"):
-            param_placements[param.name] = dp_part + "S(0)"
+        if param.name.endswith(".bias") and len(param.shape) == 1 and tp_placements.get(weight) == "S(0)":
+            tp_placements[param.name] = "S(0)"
+    param_placements = {name: dp_part + tp_part for name, tp_part in tp_placements.items()}
     recompute = [u.name for units in candidate.stages for u in units
                  if u.layer_type is not None and s.recompute != "none"]
     return Plan(
@@ -55,7 +56,7 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
             tflops_per_gpu=evaluation.tflops_per_gpu, mfu=min(evaluation.mfu, 1.0),
             peak_memory_bytes=[int(m.total_bytes) for m in evaluation.memory],
             breakdown={k: max(v, 0.0) for k, v in evaluation.breakdown.items()},
-            collectives=_predicted_collectives(candidate, facts),
+            collectives=_predicted_collectives(candidate, graph, facts, tp_placements),
         ),
         provenance=Provenance(model_name=graph.model_name, model_fingerprint=graph.model_fingerprint,
                               cluster_name=cluster.name, world_size=cluster.world_size),
@@ -79,11 +80,21 @@ def _op_placements(tp_placements: dict[str, str], dp: int) -> dict[str, str]:
     return {name: dp_part + placement.split(",")[0] for name, placement in tp_placements.items()}
 
 
-def _predicted_collectives(candidate: Candidate, facts: ModelFacts) -> list[list[CollectiveRecord]]:
+def _predicted_collectives(candidate: Candidate, graph: OpGraph, facts: ModelFacts,
+                           tp_placements: dict[str, str]) -> list[list[CollectiveRecord]]:
+    """Per pipeline rank, the step's ledger. The ILP's plans run per-parameter placements (module by
+    module, see `placed_units`), so their tp traffic follows those placements, not the ILP's op facts."""
     s = candidate.strategy
+    stages, vocab, repeats = candidate.stages, facts.vocab, None
+    if candidate.op_placements and s.tp > 1 and not s.sp:
+        placed = placed_units(graph, facts.units, tp_placements, s.microbatch)
+        stages = [[placed.units[unit.name] for unit in units] for units in candidate.stages]
+        vocab = facts.vocab if placed.vocab_parallel_head else None
+        repeats = placed.recompute_repeats
     result = []
     for rank in range(s.pp):
-        ledger = step_collectives(candidate.stages, s, facts.precision, rank, seq_len=facts.seq_len, vocab=facts.vocab)
+        ledger = step_collectives(stages, s, facts.precision, rank, seq_len=facts.seq_len, vocab=vocab,
+                                  recompute_repeats=repeats)
         result.append([CollectiveRecord(axis=axis, kind=kind, calls=calls, bytes=round(size))
                        for (axis, kind), (calls, size) in ledger.items()])
     return result

@@ -193,3 +193,82 @@ def test_calibration_without_samples_keeps_the_documented_defaults():
     result = calibrate(graph, {}, CLUSTER.gpu, "nowhere")
     assert result.efficiency == DEFAULT_EFFICIENCY
     assert set(result.samples.values()) == {0}
+
+
+# --- the collective ledger of per-parameter placements (the intra-op ILP's plans) -----------------
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    spec = build_model("gpt", "layers=4,hidden=32,heads=4,vocab=96,seq_len=16")
+    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="fp32")
+    return graph, model_facts(graph, heads=4, vocab=96)
+
+
+def _placed_ledger(graph, facts, placements, s, rank=0):
+    from cost_models.collectives import placed_units, step_collectives
+    from cost_models.evaluate import partition
+
+    placed = placed_units(graph, facts.units, placements, s.microbatch)
+    stages = [[placed.units[u.name] for u in units] for units in partition(facts, s.pp * s.vp)]
+    return step_collectives(stages, s, facts.precision, rank, seq_len=facts.seq_len,
+                            vocab=facts.vocab if placed.vocab_parallel_head else None,
+                            recompute_repeats=placed.recompute_repeats)
+
+
+@pytest.mark.parametrize("changes", [dict(pp=1, dp=1), dict(pp=1, zero=3), dict(pp=1, zero=1, recompute="full"),
+                                     dict(dp=1, recompute="full"), dict(vp=2, schedule="interleaved")])
+def test_placed_ledger_of_the_megatron_layout_is_the_propagations(tiny_gpt, changes):
+    """Module by module from placements, the Megatron layout sends what the graph propagation (checked
+    against the runtime by the parity tests) predicts, on every pipeline rank."""
+    from cost_models.collectives import step_collectives
+    from cost_models.evaluate import partition
+
+    graph, facts = tiny_gpt
+    s = strategy(**{"pp": 2, "microbatch": 2, "num_microbatches": 4, **changes})
+    megatron = {name: f"S({dim})" for name, dim in facts.param_tp_dims.items()}
+    megatron.update({p.name: "S(0)" for p in graph.params
+                     if p.name.endswith(".bias") and megatron.get(p.name.removesuffix(".bias") + ".weight") == "S(0)"})
+    stages = partition(facts, s.pp * s.vp)
+    for rank in range(s.pp):
+        propagated = step_collectives(stages, s, facts.precision, rank, seq_len=facts.seq_len, vocab=facts.vocab)
+        assert _placed_ledger(graph, facts, megatron, s, rank) == propagated
+        assert any(axis == "tp" for axis, _ in propagated)
+
+
+def test_placed_ledger_follows_each_layer_placement(tiny_gpt):
+    graph, facts = tiny_gpt
+    layers, hidden = 4, 32
+    s = strategy(dp=2, pp=1, microbatch=2, num_microbatches=2)
+    activation = s.microbatch * facts.seq_len * hidden * 4  # fp32 (b, s, h)
+    numel = {p.name: p.numel for p in graph.params}
+
+    def blocks(name, columns, row):
+        out = {}
+        for i in range(layers):
+            out.update({f"layers.{i}.{name}.{c}.{kind}": "S(0)" for c in columns for kind in ("weight", "bias")})
+            out[f"layers.{i}.{name}.{row}.weight"] = "S(1)"
+        return out
+
+    replicated = _placed_ledger(graph, facts, {}, s)
+    assert not [key for key in replicated if key[0] == "tp"]
+    assert replicated[("dp", "all_reduce")] == (1, sum(numel.values()) * 4)
+
+    attention = blocks("attn", ("q_proj", "k_proj", "v_proj"), "out_proj")
+    sent = _placed_ledger(graph, facts, attention, s)
+    # forward: the row projection's output; backward: the block input's gradient; nothing else
+    assert sent[("tp", "all_reduce")] == (s.num_microbatches * 2 * layers, s.num_microbatches * 2 * layers * activation)
+    local = sum(numel.values()) - sum(numel[name] for name in attention) / s.tp
+    assert sent[("dp", "all_reduce")] == (1, local * 4)
+    # a replicated MLP after a sharded attention saves activations: full recompute resends its all-reduce
+    resent = _placed_ledger(graph, facts, attention, s.model_copy(update={"recompute": "full"}))
+    assert resent[("tp", "all_reduce")][0] == s.num_microbatches * 3 * layers
+    # a sharded MLP is the layer's last collective: recomputation stops before it
+    mlp = blocks("mlp", ("fc1",), "fc2")
+    assert (_placed_ledger(graph, facts, mlp, s.model_copy(update={"recompute": "full"}))[("tp", "all_reduce")]
+            == _placed_ledger(graph, facts, mlp, s)[("tp", "all_reduce")])
+    # a vocabulary-parallel embedding and head (tied): lookup all-reduce, head input gradient, loss reductions
+    vocab = _placed_ledger(graph, facts, {"embed.weight": "S(0)"}, s)
+    loss = s.microbatch * (facts.seq_len - 1) * 4
+    assert vocab[("tp", "all_reduce")] == (s.num_microbatches * 5, s.num_microbatches * (2 * activation + 3 * loss))
+    # a hidden-sharded position table: one all-gather of the (s, h) table per micro-batch, whatever the batch
+    gathered = _placed_ledger(graph, facts, {"pos_embed.weight": "S(1)"}, s)
+    assert gathered[("tp", "all_gather")] == (s.num_microbatches, s.num_microbatches * facts.seq_len * hidden * 4)

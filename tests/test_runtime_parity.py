@@ -33,8 +33,7 @@ def _check(strategy, plan, ranks, reference_losses, reference_state):
                                    rtol=1e-5, atol=0, msg=lambda m: f"{label} rank {rank} losses: {m}")
         for name, placement in result["placements"].items():
             assert plan.param_placements[name] == placement, (label, rank, name, placement)
-        if not plan.op_placements:  # the ILP's own collectives are not in the ledger yet (issue #6, left)
-            _check_collectives(label, plan, result)
+        _check_collectives(label, plan, result)
     state = {}
     for result in ranks:
         state.update(result.get("state", {}))
@@ -134,7 +133,8 @@ def test_a_plan_outside_the_capability_table_is_refused_before_any_collective():
 
 
 def test_intra_op_ilp_plan_runs_as_planned():
-    """With the ILP on, the searcher keeps only placements the runtime executes, and they train like one process."""
+    """With the ILP on, the searcher keeps only placements the runtime executes, and they train like one
+    process, sending the collectives their placements imply (not those of the Megatron layout)."""
     strategy = dict(dp=1, tp=2, pp=1, microbatch=4)
     data = batches(tiny_config()["vocab"], GLOBAL_BATCH, SEQ, STEPS)
     plan = make_plan("gpt", tiny_config(), strategy, 2, GLOBAL_BATCH, use_ilp=True)
@@ -142,6 +142,121 @@ def test_intra_op_ilp_plan_runs_as_planned():
     results = run_plans(2, [dict(plan=plan.to_json(), model="gpt", overrides=tiny_config(), data=data)])
     losses, state = reference_run("gpt", tiny_config(), data)
     _check(strategy, plan, results[0], losses, state)
+
+
+# --- plans with per-parameter placements (the ILP's kind): the ledger follows the placements -------
+
+def _searched(model: str, overrides: dict, strategy: dict, world: int):
+    """The ILP search's chosen candidate and what `build_plan` needs with it (as `make_plan`, use_ilp=True)."""
+    from autopar.cluster import load_cluster
+    from autopar.graph import trace
+    from autopar.models import build_model
+    from cost_models.facts import model_facts
+    from runtime.tensor_parallel import capabilities_for
+    from searcher.search import search
+
+    spec = build_model(model, overrides)
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="fp32", name=model,
+                  seq_len=spec.config.seq_len)
+    facts = model_facts(graph, heads=spec.config.heads, kv_heads=spec.config.num_kv_heads, vocab=spec.config.vocab)
+    cluster = load_cluster("dgx-h100", gpus=world)
+    result = search(graph, facts, cluster, GLOBAL_BATCH, fixed=strategy, use_ilp=True,
+                    capabilities=capabilities_for(spec.module))
+    chosen = result.best or result.ranked[0]
+    assert chosen.op_placements, "the ILP's candidate was expected to win on the tiny model"
+    return chosen, graph, facts, cluster, spec.module
+
+
+def _placed_plan(model: str, overrides: dict, strategy: dict, world: int, placements: dict[str, str]):
+    """The searched ILP candidate with its tp placements replaced by `placements` (others R), built by
+    `build_plan` as any ILP plan: the ledger comes from the placements alone."""
+    import dataclasses
+
+    from runtime.tensor_parallel import capabilities_for
+    from searcher.plan_builder import build_plan
+    from searcher.search import executed_tp_placements
+
+    chosen, graph, facts, cluster, module = _searched(model, overrides, strategy, world)
+    placements = {p.name: placements.get(p.name, "R") for p in graph.params}
+    assert capabilities_for(module).check_placements(executed_tp_placements(placements)) is None
+    return build_plan(dataclasses.replace(chosen, param_placements=placements), graph, facts, cluster)
+
+
+def _differs_from_megatron(model: str, plan) -> bool:
+    from runtime.tensor_parallel import tp_placement
+
+    megatron = make_plan(model, tiny_config(model), dict(dp=1, tp=2, pp=1, microbatch=4), 2, GLOBAL_BATCH)
+    return any(tp_placement(plan.param_placements[name]) != tp_placement(text)
+               for name, text in megatron.param_placements.items())
+
+
+def _layer_placements(layers: dict[int, tuple[str, ...]], blocks: dict[str, tuple[list[str], list[str]]],
+                      bias: bool) -> dict[str, str]:
+    """Column (S(0), bias too) and row (S(1)) placements for the named blocks of each layer."""
+    placements = {}
+    for layer, names in layers.items():
+        for name in names:
+            columns, rows = blocks[name]
+            for column in columns:
+                placements[f"layers.{layer}.{name}.{column}.weight"] = "S(0)"
+                if bias:
+                    placements[f"layers.{layer}.{name}.{column}.bias"] = "S(0)"
+            for row in rows:
+                placements[f"layers.{layer}.{name}.{row}.weight"] = "S(1)"
+    return placements
+
+
+GPT_BLOCKS = {"attn": (["q_proj", "k_proj", "v_proj"], ["out_proj"]), "mlp": (["fc1"], ["fc2"])}
+LLAMA_BLOCKS = {"attn": (["q_proj", "k_proj", "v_proj"], ["out_proj"]),
+                "mlp": (["gate_proj", "up_proj"], ["down_proj"])}
+# Layouts the Megatron propagation never makes: attention sharded over a replicated MLP (its
+# all-reduce then resent by full recompute), single blocks, replicated layers, a hidden-sharded
+# embedding (an all-gather), a vocabulary-parallel head over partly replicated layers.
+GPT_ATTENTION_ONLY = {**_layer_placements({i: ("attn",) for i in range(4)}, GPT_BLOCKS, bias=True),
+                      "embed.weight": "S(0)"}
+GPT_MIXED = {**_layer_placements({0: ("mlp",), 2: ("attn", "mlp"), 3: ("attn",)}, GPT_BLOCKS, bias=True),
+             "pos_embed.weight": "S(1)"}
+LLAMA_MIXED = {**_layer_placements({0: ("attn",), 1: ("attn",), 2: ("mlp",), 3: ("attn", "mlp")}, LLAMA_BLOCKS,
+                                   bias=False), "embed.weight": "S(1)", "head.weight": "S(0)"}
+
+
+def _placed_cases(world: int, cases: list[tuple[str, dict, dict | None]]):
+    """Plans of `cases` (model, strategy, placements; None: the ILP's own), run on `world` processes."""
+    plans = [make_plan(model, tiny_config(model), strategy, world, GLOBAL_BATCH, use_ilp=True) if placements is None
+             else _placed_plan(model, tiny_config(model), strategy, world, placements)
+             for model, strategy, placements in cases]
+    data = {model: batches(tiny_config(model)["vocab"], GLOBAL_BATCH, SEQ, STEPS) for model, _, _ in cases}
+    jobs = [dict(plan=plan.to_json(), model=model, overrides=tiny_config(model), data=data[model])
+            for plan, (model, _, _) in zip(plans, cases)]
+    results = run_plans(world, jobs)
+    references = {model: reference_run(model, tiny_config(model), batches_) for model, batches_ in data.items()}
+    for plan, ranks, (model, strategy, placements) in zip(plans, results, cases):
+        assert plan.op_placements, (model, strategy)
+        if placements is not None:  # the ILP's own choice may be any layout; these never are Megatron's
+            assert _differs_from_megatron(model, plan), (model, strategy)
+        _check(strategy, plan, ranks, *references[model])
+
+
+def test_world2_placed_plans_send_what_their_placements_imply():
+    """Single blocks, replicated layers, sharded embeddings and heads, full recompute over a sharded
+    attention and a replicated MLP: each trains like one process and sends what its ledger lists."""
+    _placed_cases(2, [
+        ("gpt", dict(dp=1, tp=2, pp=1, microbatch=4, recompute="full"), GPT_ATTENTION_ONLY),
+        ("gpt", dict(dp=1, tp=2, pp=1, microbatch=2), GPT_MIXED),
+        ("llama", dict(dp=1, tp=2, pp=1, microbatch=4, recompute="full"), LLAMA_MIXED),
+        ("llama", dict(dp=1, tp=2, pp=1, microbatch=4), None),
+    ])
+
+
+def test_world4_placed_plans_with_data_and_pipeline_parallelism():
+    """With dp (gradient and FSDP sizes follow the placements) and pp (each block's backward all-reduce
+    on the rank holding the block: LLaMA's norms would let the graph propagation defer it a stage)."""
+    _placed_cases(4, [
+        ("gpt", dict(dp=2, tp=2, pp=1, zero=3, microbatch=2), GPT_MIXED),
+        ("gpt", dict(dp=1, tp=2, pp=2, schedule="1f1b", microbatch=2, recompute="full"), GPT_ATTENTION_ONLY),
+        ("llama", dict(dp=1, tp=2, pp=2, schedule="1f1b", microbatch=2), LLAMA_MIXED),
+        ("gpt", dict(dp=2, tp=2, pp=1, zero=0, microbatch=2), None),
+    ])
 
 
 def test_placement_check_names_what_the_runtime_cannot_chain():
