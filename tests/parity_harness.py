@@ -36,25 +36,13 @@ def tiny_config(family: str = "gpt", **extra) -> dict:
 
 def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_batch: int, use_ilp: bool = False):
     """The searcher's plan with every key of `strategy` fixed, for `world` processes."""
-    from autopar.cluster import load_cluster
-    from autopar.graph import trace
     from autopar.models import build_model
-    from cost_models.facts import model_facts
-    from searcher.plan_builder import build_plan
-    from runtime.tensor_parallel import capabilities_for
-    from searcher.search import search
 
     spec = build_model(model, overrides)
-    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="fp32", name=model,
-                  seq_len=spec.config.seq_len)
-    facts = model_facts(graph, heads=spec.config.heads, kv_heads=spec.config.num_kv_heads, vocab=spec.config.vocab)
-    cluster = load_cluster("dgx-h100", gpus=world)
-    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp,
-                    capabilities=capabilities_for(spec.module))
-    chosen = result.best or result.ranked[0]
-    for key, value in strategy.items():
-        assert getattr(chosen.strategy, key) == value, (key, chosen.strategy)
-    return build_plan(chosen, graph, facts, cluster)
+    config = spec.config
+    return plan_for(spec.module, spec.example_inputs(1), spec.loss_fn, name=model, seq_len=config.seq_len,
+                    heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab, strategy=strategy,
+                    world=world, global_batch=global_batch, use_ilp=use_ilp)
 
 
 def plan_for(module, example_inputs, loss_fn, *, name: str, seq_len: int, heads: int, kv_heads: int, vocab: int,
@@ -125,16 +113,7 @@ def reference_run(model: str, overrides: dict, data: list[torch.Tensor]) -> tupl
     spec = build_model(model, overrides)
     module = copy.deepcopy(spec.module)
     materialize(module, InitSource(spec.module, SEED), torch.device("cpu"))
-    optimizer = make_optimizer(module.parameters())
-    losses = []
-    for batch in data:
-        loss = spec.loss_fn(module(batch), batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_GRAD_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in module.named_parameters()}
+    return train_reference(module, spec.loss_fn, data)
 
 
 def _free_port() -> int:
