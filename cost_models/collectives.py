@@ -94,11 +94,8 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                     for kind, size, times in repeats:
                         add("tp", kind, size, m * times)
             if index == last and vocab:
-                activation_bytes = weight_bytes if precision == "fp32" else 4  # logits leave autocast in fp32
-                if s.pp > 1:
-                    add("tp", "all_gather", b * seq_len * vocab * activation_bytes, m)
-                else:  # next-token loss: every position but the last predicts one
-                    add("tp", "all_reduce", b * (seq_len - 1) * SCALAR_BYTES, m * LOSS_PARALLEL_REDUCTIONS)
+                for kind, size, times in vocab_parallel_head_collectives(s, precision, seq_len, vocab):
+                    add("tp", kind, size, m * times)
         if s.pp > 1:
             boundary = units[0].input_bytes * b / (s.tp if s.sp else 1) if units else 0.0
             if index > 0:
@@ -126,6 +123,19 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
         add("pp", "all_reduce", tied["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES)
     add("world", "all_reduce", SCALAR_BYTES, 2 if clip_grad_norm else 1)
     return {key: (calls[key], sent[key]) for key in sorted(calls)}
+
+
+def vocab_parallel_head_collectives(strategy: Strategy, precision: str, seq_len: int, vocab: int
+                                    ) -> list[tuple[str, float, int]]:
+    """(kind, bytes, calls) per micro-batch after a head whose logits are sharded over the vocabulary:
+    a pipeline's last stage gathers them (stages pass plain tensors); without a pipeline the loss
+    runs on the shards and reduces three values per predicted token (the evaluator charges these too)."""
+    s = strategy
+    activation_bytes = 4  # logits leave autocast in fp32 (and are fp32 under fp32)
+    if s.pp > 1:
+        return [("all_gather", s.microbatch * seq_len * vocab * activation_bytes, 1)]
+    # next-token loss: every position but the last predicts one
+    return [("all_reduce", s.microbatch * (seq_len - 1) * SCALAR_BYTES, LOSS_PARALLEL_REDUCTIONS)]
 
 
 def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int) -> list[dict]:

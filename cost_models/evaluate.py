@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from autopar.cluster import ClusterSpec
 from autopar.plan import Strategy
 from cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
-                                     sequence_parallel_gradient_reductions, tied_across_ranks)
+                                     sequence_parallel_gradient_reductions, tied_across_ranks,
+                                     vocab_parallel_head_collectives)
 from cost_models.communication import collective_time_s, group_layout
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, UnitTime, unit_time
 from cost_models.facts import ModelFacts, Unit
@@ -68,9 +69,14 @@ def evaluate(
     efficiency: Efficiency = DEFAULT_EFFICIENCY,
     exact: bool = True,
     stages: list[list[Unit]] | None = None,
+    vocab: int | None = None,
+    recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
 ) -> Evaluation:
     """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates);
-    `stages` overrides the even split of layers with a searched partition (pp·vp lists of units)."""
+    `stages` overrides the even split of layers with a searched partition (pp·vp lists of units).
+    `vocab` and `recompute_repeats` mean what they mean to `step_collectives` (a head with logits
+    sharded over the vocabulary; what full recompute resends under per-parameter placements), so
+    a plan's tp communication is priced from the same collectives its ledger lists."""
     s = strategy
     dtype = facts.precision
     gpu = cluster.gpu
@@ -117,7 +123,8 @@ def evaluate(
             backward_comm += reduce_time(t.backward_reduce_bytes, t.backward_reduces, t.backward_collectives)
             full = unit_activation_bytes(unit, b, s.tp, s.sp, "none")
             if unit.layer_type is not None and s.recompute == "full":
-                repeated = recomputed_reductions(unit, b, s.sp) if s.tp > 1 else []
+                repeated = [] if s.tp == 1 else recomputed_reductions(unit, b, s.sp) if recompute_repeats is None \
+                    else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())]
                 recompute_extra += t.forward_s + sum(times * collective_time_s(kind, size, tp_layout, cluster)
                                                      for kind, size, times in repeated)
                 largest_full_layer = max(largest_full_layer, full)
@@ -129,6 +136,9 @@ def evaluate(
             on_device = unit.params_on_device(s.tp)
             rank_params[rank] += on_device
             rank_largest_unit[rank] = max(rank_largest_unit[rank], on_device)
+        if vocab and s.tp > 1 and index == len(stages_units) - 1:
+            forward_comm += sum(times * collective_time_s(kind, size, tp_layout, cluster)
+                                for kind, size, times in vocab_parallel_head_collectives(s, dtype, facts.seq_len, vocab))
         zero3_forward = zero3_backward = 0.0
         if s.zero >= 3 and s.dp > 1:
             stage_weight_bytes = sum(u.params_on_device(s.tp) for u in units) * per.weight

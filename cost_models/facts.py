@@ -112,15 +112,17 @@ class ModelFacts:
 
 
 def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None = None,
-                vocab: int | None = None) -> ModelFacts:
-    """Condense an op graph into units with tp-aware per-op facts."""
+                vocab: int | None = None, sharded: set[str] | frozenset[str] | None = None) -> ModelFacts:
+    """Condense an op graph into units with tp-aware per-op facts. `sharded` replaces Megatron's
+    choice of tp-sharded matrices (every one a matmul or an embedding reads) for plans that give
+    per-parameter placements: which ops' work divides over tp then follows those placements."""
     params = {p.name: p for p in graph.params}
     param_bytes = {p.name: p.numel * DTYPE_BYTES.get(p.dtype, 4) for p in graph.params}
-    sharded = _sharded_params(graph, params)
-    status = _propagate(graph, sharded)
+    sharded = _sharded_params(graph, params) if sharded is None else set(sharded)
+    unit_of = _assign_units(graph)
+    status = _propagate(graph, sharded, unit_of)
     per_sample = 1.0 / max(graph.batch, 1)
 
-    unit_of = _assign_units(graph)
     ops_by_unit: dict[str, list[OpFacts]] = {}
     for node in graph.nodes:
         ops_by_unit.setdefault(unit_of[node.name], []).append(
@@ -192,14 +194,31 @@ def _sharded_params(graph: OpGraph, params: dict) -> set[str]:
     return sharded
 
 
-def _propagate(graph: OpGraph, sharded: set[str]) -> dict[str, tuple[str, float]]:
-    """Per node: (status of its output: R, S or P; bytes per batch all-reduced before it runs)."""
+def _propagate(graph: OpGraph, sharded: set[str], unit_of: dict[str, str] | None = None
+               ) -> dict[str, tuple[str, float]]:
+    """Per node: (status of its output: R, S or P; bytes per batch all-reduced before it runs).
+
+    With `unit_of`, partial sums do not leave their unit: one that a node of another unit would
+    reduce is charged to the op that produced it. The runtime reduces a block's input gradient as
+    it leaves the block; without this, LLaMA's RMSNorm backward (elementwise, linear in the
+    gradient) would carry it into the previous layer, on another pipeline rank.
+    """
+    unit_of = unit_of or {}
+    carried: dict[str, float] = {}  # producer node -> bytes reduced on leaving its unit
     status: dict[str, str] = {}
     for p in graph.params:
         status[f"param:{p.name}"] = "S" if p.name in sharded else "R"
     result: dict[str, tuple[str, float]] = {}
     reduced: set[str] = set()
     root: dict[str, str] = {}  # a view -> the tensor it views
+    layer_of = {node.name: node.layer for node in graph.nodes}
+    holds: dict[str, bool] = {}
+
+    def holds_shards(module: str) -> bool:
+        """Whether `module` owns (directly or below) a sharded parameter."""
+        if module not in holds:
+            holds[module] = any(p == module or p.startswith(module + ".") for p in sharded)
+        return holds[module]
 
     def get(name: str) -> str:
         return status.get(name, "R")
@@ -215,11 +234,16 @@ def _propagate(graph: OpGraph, sharded: set[str]) -> dict[str, tuple[str, float]
                 if i < len(names) and arg_status[i] == "P":
                     key = root.get(names[i], names[i])  # views of one partial sum share one reduction
                     if key not in reduced and i < len(node.input_meta):
-                        reduce_bytes += node.input_meta[i].bytes
+                        if unit_of.get(key, unit_of.get(node.name)) != unit_of.get(node.name):
+                            carried[key] = carried.get(key, 0.0) + node.input_meta[i].bytes
+                        else:
+                            reduce_bytes += node.input_meta[i].bytes
                         reduced.add(key)
                     arg_status[i] = "R"
 
         packet = _packet(node)
+        if not node.is_view and "P" in arg_status and _leaves_block(node, names, layer_of, holds_shards):
+            reduce_inputs(list(range(len(arg_status))))
         if node.is_view:
             out = arg_status[0] if arg_status else "R"
             if names:
@@ -265,7 +289,21 @@ def _propagate(graph: OpGraph, sharded: set[str]) -> dict[str, tuple[str, float]
             out = "S" if "S" in arg_status else "R"
         status[node.name] = out
         result[node.name] = (out, reduce_bytes)
+    for name, nbytes in carried.items():
+        out, reduce_bytes = result[name]
+        result[name] = (out, reduce_bytes + nbytes)
     return result
+
+
+def _leaves_block(node: OpNode, names: list[str], layer_of: dict, holds_shards) -> bool:
+    """Whether partial sums reaching `node` have left the tensor-parallel block that made them, so
+    the runtime has summed them already: in backward, at an op of a module without sharded weights
+    (a norm before a block: the block's input gradient is all-reduced on entry, not after the norm's
+    linear backward, which would carry it into the previous layer, or pipeline stage); in either
+    phase, at an op of another layer than its producer's."""
+    if node.phase == "backward" and node.module_path and not holds_shards(node.module_path):
+        return True
+    return any(layer_of.get(n) != node.layer for n in names if n in layer_of and not n.startswith("param:"))
 
 
 def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sample: float) -> OpFacts:

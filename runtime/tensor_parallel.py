@@ -74,10 +74,17 @@ def check_tp_placements(model: nn.Module, placements: dict[str, str], sp: bool) 
     `placements` maps parameter names (any alias of a tied weight) to their tp placement ("R",
     "S(0)", ...); names missing are replicated.
     """
+    head = default_head_path(model)
     try:
-        _styles(model, placements, sp, head_path=default_head_path(model))
+        _styles(model, placements, sp, head_path=head)
+        head_weight = _canonical_placements(model, placements).get(f"{head}.weight") if head else None
     except AutoparError as error:
         return str(error)
+    if head_weight not in (None, "R", "S(0)"):
+        # A row-parallel head would read its replicated input as a hidden shard (and the loss expects
+        # logits whole or sharded over the vocabulary): it fails at the first step, so refuse it here.
+        return (f"{head}.weight is {head_weight} over tp but the head ({head}) runs replicated (R) or "
+                f"vocabulary-parallel (S(0)) only")
     return None
 
 

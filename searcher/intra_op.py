@@ -1,5 +1,11 @@
 """Intra-op ILP: a tensor-parallel sharding strategy for every op of one pipeline unit.
 
+A proposal generator: the searcher takes the parameter placements it chooses, checks the runtime
+can run them, and prices them as the runtime runs them (`cost_models.collectives.placed_units`,
+the evaluator Megatron candidates go through). Its own objective below ranks shardings inside one
+unit only; it is not a plan's predicted cost (it knows neither the runtime's module-by-module
+collectives nor the vocabulary-parallel loss, and solves a tied embedding and head separately).
+
 One unit (a layer instance, solved once per layer type, or the pre/post unit) on a 1-D mesh axis
 of `tp` ranks; placements are DTensor's R, S(d), P per tensor; candidate strategies per op are
 derived as DTensor derives its op strategies (`searcher.intra_op_strategies` lists them). After

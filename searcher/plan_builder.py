@@ -7,7 +7,7 @@ from autopar.graph.ir import OpGraph
 from autopar.plan import CollectiveRecord, MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
 from cost_models.collectives import placed_units, step_collectives
 from cost_models.facts import ModelFacts
-from searcher.search import Candidate
+from searcher.search import Candidate, planned_tp_placements
 
 
 def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster: ClusterSpec) -> Plan:
@@ -30,17 +30,7 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
         ))
     # ZeRO 1-3 run on FSDP2: parameters rest sharded over dp (gathered for compute; zero 3 also frees them after forward)
     dp_part = "S(0)" if s.zero >= 1 and s.dp > 1 else "R"
-    tp_placements = {}
-    for param in graph.params:
-        tp_part = candidate.param_placements.get(param.name)
-        if tp_part is None:
-            dim = facts.param_tp_dims.get(param.name)
-            tp_part = f"S({dim})" if dim is not None and s.tp > 1 else "R"
-        tp_placements[param.name] = tp_part
-    for param in graph.params:  # a column-parallel Linear's bias is split with its output features
-        weight = param.name.removesuffix(".bias") + ".weight"
-        if param.name.endswith(".bias") and len(param.shape) == 1 and tp_placements.get(weight) == "S(0)":
-            tp_placements[param.name] = "S(0)"
+    tp_placements = planned_tp_placements(candidate.param_placements, graph, facts, s.tp)
     param_placements = {name: dp_part + tp_part for name, tp_part in tp_placements.items()}
     recompute = [u.name for units in candidate.stages for u in units
                  if u.layer_type is not None and s.recompute != "none"]

@@ -3,9 +3,11 @@
 1. Enumerate every completion of the fixed keys over (dp, tp, pp, zero, recompute, micro-batch,
    schedule, vp, sp) that the runtime can execute (`autopar.capabilities`) and that breaks no rule,
    and rank them with the closed-form pipeline estimate on an even layer split.
-2. For the best few: solve each distinct unit's tensor-parallel sharding with the intra-op ILP
-   (once per layer type: its instances are tied), cut the units into stages with the inter-op
-   dynamic program, and evaluate exactly (simulated schedule).
+2. For the best few: propose each distinct unit's tensor-parallel placements with the intra-op
+   ILP (once per layer type, given to every instance), keep what the runtime can run, rebuild the
+   units with the collectives the runtime sends for them (`placed_units`), cut the units into
+   stages with the inter-op dynamic program, and evaluate exactly (simulated schedule) with the
+   evaluator Megatron's layout goes through: the plan that runs is the plan that was costed.
 3. Keep the fastest plan that fits, the runners-up, and why-not rows for the obvious alternatives.
 No nn.Module is touched here: inputs are the op graph, its facts and the cluster.
 """
@@ -25,7 +27,8 @@ from autopar.plan import Strategy
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
 from cost_models.communication import collective_time_s, group_layout
 from cost_models.evaluate import Evaluation, evaluate, partition as even_partition, unit_activation_bytes
-from cost_models.facts import ModelFacts, Unit
+from cost_models.collectives import placed_units
+from cost_models.facts import ModelFacts, Unit, model_facts
 from cost_models.memory import state_bytes_per_param, usable_bytes
 from cost_models.strategy import check_strategy
 from cost_models.whatif import quick_evaluations
@@ -119,59 +122,98 @@ class _Refiner:
         self.ilp_variables = 0
         self.ilp_solve_s = 0.0
 
-    def units_for(self, strategy: Strategy) -> tuple[list[Unit], dict[str, str], dict[str, str]]:
+    def proposals(self, strategy: Strategy) -> tuple[dict[str, str], dict[str, list[str]]]:
+        """The ILP's op placements and, per parameter, every tp placement its unit solves proposed
+        (a tied embedding and head are solved in two units and may disagree), keyed by the names
+        of each layer instance (a layer type is solved once, on its first instance)."""
         if strategy.tp == 1 or not self.use_ilp:
-            return list(self.facts.units), {}, {}
+            return {}, {}
         try:
             from searcher.intra_op import solve_unit
         except ImportError:  # the ILP is optional: the Megatron-style propagation stands in
-            return list(self.facts.units), {}, {}
-        units, op_placements, param_placements = [], {}, {}
+            return {}, {}
+        op_placements: dict[str, str] = {}
+        proposed: dict[str, list[str]] = {}
         for unit in self.facts.units:
             key = (unit.layer_type or unit.name, strategy.tp, strategy.microbatch)
             if key not in self.cache:
                 solution = solve_unit(unit, self.graph, tp=strategy.tp, batch=strategy.microbatch,
                                       cluster=self.cluster, dtype=self.facts.precision, efficiency=self.efficiency)
-                self.cache[key] = solution
+                self.cache[key] = (solution, unit)
                 self.ilp_variables += getattr(solution, "variables", 0)
                 self.ilp_solve_s += getattr(solution, "solve_s", 0.0)
-            solution = self.cache[key]
-            solved = getattr(solution, "unit", unit)  # its sharded_params follow the chosen parameter placements
-            units.append(dataclasses.replace(unit, ops=_renamed(solution.ops, unit),
-                                             sharded_params=solved.sharded_params))
-            op_placements.update(solution.op_placements)
-            param_placements.update(solution.param_placements)
-        return units, op_placements, param_placements
+            solution, solved_for = self.cache[key]
+            ops = {old.name: new.name for old, new in zip(solved_for.ops, unit.ops)}
+            op_placements.update({ops.get(name, name): value for name, value in solution.op_placements.items()})
+            for name, value in self._instance_params(solution.param_placements, solved_for, unit).items():
+                if value not in proposed.setdefault(name, []):
+                    proposed[name].append(value)
+        return op_placements, proposed
+
+    def _instance_params(self, placements: dict[str, str], solved_for: Unit, unit: Unit) -> dict[str, str]:
+        """A tied solve's parameter placements, moved from the instance it was solved on to `unit`
+        (the same op reads the same parameter slot in every instance of a layer type)."""
+        if solved_for.name == unit.name:
+            return dict(placements)
+        nodes = {node.name: node for node in self.graph.nodes}
+        renamed: dict[str, str] = {}
+        for old, new in zip(solved_for.ops, unit.ops):
+            for a, b in zip(nodes[old.name].params, nodes[new.name].params):
+                renamed.setdefault(a, b)
+        missing = [name for name in placements if name not in renamed]
+        if missing:
+            raise AutoparError(f"layer {unit.name} has no counterpart of {missing[0]} from {solved_for.name}")
+        return {renamed[name]: value for name, value in placements.items()}
 
     def refine(self, strategy: Strategy) -> Candidate:
         """The better of Megatron-style tensor parallelism (graph propagation, with the strategy's
-        sequence parallelism) and the intra-op ILP's sharding, each on its best stage partition."""
-        candidates = [self._refine_with(strategy, list(self.facts.units), {}, {})]
+        sequence parallelism) and the intra-op ILP's proposed placements, each on its best stage
+        partition. An ILP proposal is priced as it runs (`placed_units`, the same evaluator), not by
+        the ILP's objective; a weight with several proposals (tied) takes one, the cheaper."""
+        tp_vocab = self.facts.vocab if strategy.tp > 1 else None  # Megatron's head is vocabulary parallel
+        candidates = [self._refine_with(strategy, list(self.facts.units), {}, {}, vocab=tp_vocab)]
         if strategy.sp and self.fixed.get("sp"):  # the user asked for Megatron sequence parallelism
             return candidates[0]
-        units, op_placements, param_placements = self.units_for(strategy)
-        check = self.capabilities.check_placements
-        planned = {name: f"S({dim})" for name, dim in self.facts.param_tp_dims.items()}  # as plan_builder fills in
-        planned.update(param_placements)
-        if op_placements and check is not None and check(executed_tp_placements(planned)) is not None:
-            self.ilp_refused += 1  # the runtime could not run these placements: keep the propagation's plan
+        op_placements, proposed = self.proposals(strategy)
+        if not op_placements:
             return candidates[0]
-        if op_placements:
-            # The ILP places every op itself (sequence sharding included), so the blanket
-            # sequence-parallel discount of the propagation model must not apply on top.
-            candidates.append(self._refine_with(strategy.model_copy(update={"sp": False}), units, op_placements,
-                                                param_placements))
+        check = self.capabilities.check_placements
+        # Placements run module by module without sequence parallelism (the ILP's sequence shards do not run).
+        placed_strategy = strategy.model_copy(update={"sp": False})
+        runnable = 0
+        for choice in _one_each(proposed):
+            planned = planned_tp_placements(choice, self.graph, self.facts, strategy.tp)  # what build_plan writes
+            if check is not None and check(planned) is not None:
+                continue  # the runtime could not run these placements
+            runnable += 1
+            placed = self._placed(planned, strategy.microbatch)
+            units = [placed.units[unit.name] for unit in self.facts.units]
+            candidates.append(self._refine_with(
+                placed_strategy, units, op_placements, planned,
+                vocab=self.facts.vocab if placed.vocab_parallel_head else None, repeats=placed.recompute_repeats))
+        if not runnable:
+            self.ilp_refused += 1  # keep the propagation's plan
         return min(candidates, key=lambda c: _rank_key(c.evaluation))
 
-    def _refine_with(self, strategy: Strategy, units, op_placements, param_placements) -> Candidate:
+    def _placed(self, planned: dict[str, str], microbatch: int):
+        """Units sending what the runtime sends for `planned`, with work divided as those shards divide it."""
+        shapes = {p.name: p.shape for p in self.graph.params}
+        sharded = frozenset(name for name, value in planned.items() if value != "R" and len(shapes[name]) == 2)
+        key = ("facts", sharded)
+        if key not in self.cache:
+            self.cache[key] = model_facts(self.graph, sharded=sharded)
+        return placed_units(self.graph, self.cache[key].units, planned, microbatch)
+
+    def _refine_with(self, strategy: Strategy, units, op_placements, param_placements, *, vocab=None,
+                     repeats=None) -> Candidate:
         facts = dataclasses.replace(self.facts, units=tuple(units))
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
         even = evaluate(facts, self.cluster, strategy, self.global_batch, efficiency=self.efficiency,
-                        stages=even_stages)
+                        stages=even_stages, vocab=vocab, recompute_repeats=repeats)
         searched = self._partition(facts, strategy)
         if searched is not None and searched != even_stages:
             evaluation = evaluate(facts, self.cluster, strategy, self.global_batch, efficiency=self.efficiency,
-                                  stages=searched)
+                                  stages=searched, vocab=vocab, recompute_repeats=repeats)
             if _rank_key(evaluation) < _rank_key(even):  # the DP balances an estimate: keep what simulates better
                 return Candidate(evaluation, searched, op_placements, param_placements)
         return Candidate(even, even_stages, op_placements, param_placements)
@@ -223,11 +265,31 @@ def executed_tp_placements(param_placements: dict[str, str]) -> dict[str, str]:
     return placements
 
 
-def _renamed(ops, unit: Unit):
-    """A tied solve is stored with the first instance's op names; map them onto this instance."""
-    if len(ops) != len(unit.ops):
-        return tuple(ops)
-    return tuple(dataclasses.replace(new, name=old.name) for new, old in zip(ops, unit.ops))
+def planned_tp_placements(param_placements: dict[str, str], graph: OpGraph, facts: ModelFacts,
+                          tp: int) -> dict[str, str]:
+    """The tp placement of every parameter of a plan: the candidate's own, Megatron's where it has
+    none; a column-parallel Linear's bias split with its weight. `build_plan` writes exactly these,
+    so the runtime check in `refine` sees what will run."""
+    placements = {}
+    for param in graph.params:
+        placement = param_placements.get(param.name)
+        if placement is None:
+            dim = facts.param_tp_dims.get(param.name)
+            placement = f"S({dim})" if dim is not None and tp > 1 else "R"
+        placements[param.name] = placement
+    for param in graph.params:
+        weight = param.name.removesuffix(".bias") + ".weight"
+        if param.name.endswith(".bias") and len(param.shape) == 1 and placements.get(weight) == "S(0)":
+            placements[param.name] = "S(0)"
+    return placements
+
+
+def _one_each(proposed: dict[str, list[str]], limit: int = 8) -> list[dict[str, str]]:
+    """Placement sets taking one proposal per parameter (at most `limit`: tied weights are few)."""
+    choices = [{}]
+    for name, options in proposed.items():
+        choices = [{**choice, name: option} for choice in choices for option in options][:limit]
+    return choices
 
 
 def _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best) -> list[WhyNot]:
@@ -252,7 +314,8 @@ def _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best) -> l
             rows.append(WhyNot(label, None, _rule_broken(representative[label], facts, cluster, global_batch)))
             continue
         choice = options[0]  # quick is ranked: the best of its family
-        exact = evaluate(facts, cluster, choice.strategy, global_batch, efficiency=efficiency)
+        exact = evaluate(facts, cluster, choice.strategy, global_batch, efficiency=efficiency,
+                         vocab=facts.vocab if choice.strategy.tp > 1 else None)  # as `refine` prices Megatron
         if best is not None and choice.strategy == best.strategy:
             continue
         rows.append(WhyNot(label, choice.strategy, _reason(exact, reference)))

@@ -219,10 +219,38 @@ def _placed_ledger(graph, facts, placements, s, rank=0):
 def test_placed_ledger_of_the_megatron_layout_is_the_propagations(tiny_gpt, changes):
     """Module by module from placements, the Megatron layout sends what the graph propagation (checked
     against the runtime by the parity tests) predicts, on every pipeline rank."""
+    _placed_megatron_is_propagated(*tiny_gpt, changes)
+
+
+@pytest.mark.parametrize("changes", [dict(pp=2, dp=1), dict(pp=2, zero=1, recompute="full")])
+def test_llama_block_reductions_stay_in_their_layer(tiny_llama, changes):
+    """RMSNorm's backward is linear: the graph propagation once carried each attention block's input
+    all-reduce through it into the previous layer (a pipeline rank off, as a parity run measured).
+    The runtime sums it on entry to the block; every layer now holds its own two per direction."""
+    graph, facts = tiny_llama
+    _placed_megatron_is_propagated(graph, facts, changes)
+    module = {node.name: node.module_path for node in graph.nodes}
+    for unit in facts.units:
+        summed = [module[op.name] for op in unit.backward_ops if op.reduce_bytes]
+        if unit.layer_type is None:
+            assert unit.name == "post" or not summed, (unit.name, summed)  # the embedding gets a whole gradient
+            continue
+        assert len(summed) == 2, (unit.name, summed)
+        for path in summed:  # on entry to the block: in this layer's norm, which holds no shard
+            assert path.startswith(unit.name + ".") and not any(p.startswith(path + ".") for p in facts.param_tp_dims)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    spec = build_model("llama", "layers=4,hidden=32,heads=4,kv_heads=2,vocab=96,seq_len=16")
+    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="fp32")
+    return graph, model_facts(graph, heads=4, kv_heads=2, vocab=96)
+
+
+def _placed_megatron_is_propagated(graph, facts, changes):
     from cost_models.collectives import step_collectives
     from cost_models.evaluate import partition
 
-    graph, facts = tiny_gpt
     s = strategy(**{"pp": 2, "microbatch": 2, "num_microbatches": 4, **changes})
     megatron = {name: f"S({dim})" for name, dim in facts.param_tp_dims.items()}
     megatron.update({p.name: "S(0)" for p in graph.params

@@ -105,6 +105,20 @@ def test_world4_gpt_combinations():
         _check(strategy, plan, ranks, losses, state)
 
 
+WORLD4_LLAMA = [
+    dict(dp=1, tp=2, pp=2, schedule="1f1b", zero=0, microbatch=2),
+]
+
+
+def test_world4_llama_tensor_and_pipeline_parallel():
+    """Megatron layout over two pipeline ranks: each block's backward all-reduce is on the rank holding
+    the block (RMSNorm's elementwise backward must not carry it into the previous stage's ledger)."""
+    plans, results, losses, state = _cases("llama", tiny_config("llama"), WORLD4_LLAMA, world=4)
+    for strategy, plan, ranks in zip(WORLD4_LLAMA, plans, results):
+        assert not plan.op_placements  # the graph propagation's plan, not the ILP's
+        _check(strategy, plan, ranks, losses, state)
+
+
 WORLD8_GPT = [
     dict(dp=2, tp=2, pp=2, schedule="1f1b", sp=True, zero=1, microbatch=1),
     dict(dp=2, tp=2, pp=2, schedule="interleaved", vp=2, sp=False, zero=3, microbatch=1, recompute="full"),
@@ -274,3 +288,4 @@ def test_placement_check_names_what_the_runtime_cannot_chain():
     assert "mixes tensor-parallel linears" in check({**megatron, "layers.0.attn.out_proj.weight": "R"})
     assert "bias" in check({**megatron, "layers.0.attn.q_proj.bias": "R"})
     assert "only Linear and Embedding" in check_tp_placements(module, {"layers.0.ln1.weight": "S(0)"}, sp=False)
+    assert "head" in check({"embed.weight": "S(1)"})  # tied to the head: a row-parallel head fails at its first step

@@ -128,3 +128,79 @@ def test_ilp_never_loses_to_the_propagation_and_its_plan_is_valid(small):
     for candidate in with_ilp.ranked:
         plan = build_plan(candidate, graph, facts, cluster)
         assert all(len(text) >= 2 for text in plan.op_placements.values())
+
+
+def test_every_layer_instance_runs_the_placements_the_ilp_chose_for_its_type(small):
+    """The ILP solves one instance per layer type; the plan must give every instance that solution
+    (not the first instance the ILP's and the rest Megatron's), since the search costed it for all."""
+    from runtime.tensor_parallel import capabilities_for, tp_placement
+    from searcher.intra_op import solve_unit
+
+    graph, facts = small
+    spec = build_model("gpt", CONFIG)
+    cluster = load_cluster("dgx-h100", gpus=8)
+    result = search(graph, facts, cluster, 32, fixed={"tp": 4, "pp": 1}, use_ilp=True,
+                    capabilities=capabilities_for(spec.module))
+    chosen = next(c for c in result.ranked if c.op_placements)
+    plan = build_plan(chosen, graph, facts, cluster)
+    layers = [facts.units[i] for i in facts.layer_units]
+    solved = solve_unit(layers[0], graph, tp=4, batch=chosen.strategy.microbatch, cluster=cluster,
+                        dtype=facts.precision).param_placements
+    expected = {name.removeprefix(layers[0].name + "."): value for name, value in solved.items()
+                if name.startswith(layers[0].name + ".")}
+    assert expected and any(value == "R" for value in expected.values())  # not Megatron's layout
+    for layer in layers:
+        for suffix, value in expected.items():
+            got = tp_placement(plan.param_placements[f"{layer.name}.{suffix}"])
+            bias_follows = suffix.endswith(".bias") and got == "S(0)"  # a column-parallel weight splits its bias
+            assert got == value or bias_follows, (layer.name, suffix, got, value)
+
+
+def _tp_ledger_time(plan, cluster, rank: int = 0) -> float:
+    from cost_models.communication import collective_time_s, group_layout
+
+    layout = group_layout(plan.strategy.tp, 1, cluster.gpus_per_node)
+    return sum(r.calls * collective_time_s(r.kind, r.bytes / r.calls, layout, cluster)
+               for r in plan.predicted.collectives[rank] if r.axis == "tp")
+
+
+def test_ilp_plans_are_priced_by_the_collectives_their_ledger_lists(small):
+    """An ILP proposal is costed as it runs: with dp = pp = 1 the evaluator's exposed communication is
+    exactly the time of the tp collectives in the plan's ledger (which the runtime is checked against)."""
+    graph, facts = small
+    cluster = load_cluster("dgx-h100", gpus=4)
+    result = search(graph, facts, cluster, 32, fixed={"tp": 4, "pp": 1, "sp": False, "recompute": "none"},
+                    use_ilp=True, top_k=12)
+    ilp = [c for c in result.ranked if c.op_placements]
+    assert ilp and any(c.evaluation.breakdown["exposed_communication"] > 0 for c in ilp)
+    for candidate in result.ranked:  # Megatron's candidates too: one evaluator for both
+        plan = build_plan(candidate, graph, facts, cluster)
+        assert candidate.evaluation.breakdown["exposed_communication"] == \
+            pytest.approx(_tp_ledger_time(plan, cluster), rel=1e-9, abs=1e-12), candidate.strategy
+
+
+def test_a_tied_embedding_and_head_are_costed_and_planned_with_one_placement(small):
+    """The embedding and the tied head are solved in different units and may disagree; the candidate
+    takes one of the proposals, and the units it was priced with shard the weight (or not) alike."""
+    from autopar.capabilities import RUNTIME_CAPABILITIES
+    from cost_models.compute import DEFAULT_EFFICIENCY
+    from runtime.tensor_parallel import tp_placement
+    from searcher.search import _one_each, _Refiner
+
+    graph, facts = small
+    cluster = load_cluster("dgx-h100", gpus=4)
+    result = search(graph, facts, cluster, 32, fixed={"tp": 4, "pp": 1, "sp": False}, use_ilp=True, top_k=12)
+    refiner = _Refiner(graph, facts, cluster, 32, DEFAULT_EFFICIENCY, True, {}, RUNTIME_CAPABILITIES)
+    checked = 0
+    for candidate in (c for c in result.ranked if c.op_placements):
+        _, proposed = refiner.proposals(candidate.strategy)
+        choices = _one_each(proposed)
+        assert {choice["embed.weight"] for choice in choices} == set(proposed["embed.weight"])
+        placement = candidate.param_placements["embed.weight"]
+        assert placement in proposed["embed.weight"]
+        assert tp_placement(build_plan(candidate, graph, facts, cluster).param_placements["embed.weight"]) == placement
+        units = [u for stage in candidate.stages for u in stage]
+        pre, post = units[0], units[-1]
+        assert [sharded for owner, _, sharded in post.borrowed if owner == pre.name] == [placement != "R"]
+        checked += 1
+    assert checked
