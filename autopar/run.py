@@ -264,7 +264,8 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
             shared = [plan.to_json()]
             dist.broadcast_object_list(shared, src=0)
             plan = Plan.from_json(shared[0])
-        parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=args.seed, precision=precision)
+        parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=args.seed, precision=precision,
+                               compile=args.compile)
         device = parallel.layout.device
         optimizer = torch.optim.AdamW(parallel.parameters(), lr=args.lr)
         if dataset is None:

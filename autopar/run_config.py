@@ -49,6 +49,7 @@ class RunConfig(BaseModel):
     profile_dir: str = "autopar-profile"
     report: str | None = None
     dry_run: bool = False
+    compile: bool = False  # torch.compile each transformer block (runtime/compile.py)
 
     def json_record(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
@@ -139,6 +140,9 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--report", metavar="PATH",
                      help="with --profile-steps: append the comparison to this `autopar plan --report` page")
     run.add_argument("--dry-run", action="store_true", help="print the plan and its prediction, train nothing")
+    run.add_argument("--compile", action="store_true",
+                     help="torch.compile each transformer block's forward (faster steps after a one-time "
+                     "compile)")
     for action in run._actions:  # set_defaults would store the SUPPRESS marker itself as a value
         if action.dest != "help":
             action.default = argparse.SUPPRESS

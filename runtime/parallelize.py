@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan import Plan
+from runtime.compile import compile_blocks
 from runtime.data_parallel import all_reduce_gradients, apply_fsdp, set_microbatch_boundary
 from runtime.init import InitSource, materialize
 from runtime.mesh import RankLayout, build_layout
@@ -235,10 +236,11 @@ def _local_value(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 0, precision: str = "fp32",
-                head_path: str | None = None) -> ParallelModel:
+                head_path: str | None = None, compile: bool = False) -> ParallelModel:
     """Shard `model` (on meta, or with real weights) as `plan` says, on the running process group.
 
     `loss_fn(output, input_ids)` is the training loss; every rank calls this with the same arguments.
+    `compile`: torch.compile each block's forward (runtime/compile.py).
     """
     fingerprint = model_fingerprint(model)
     if plan.provenance.model_fingerprint != fingerprint:
@@ -275,6 +277,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
             apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision))
         # 6. materialize this rank's shards with the sharding-independent init
         materialize(module, source, layout.device)
+        if compile:  # 6b. compile each block's forward, inside every wrapper above (runtime/compile.py)
+            compile_blocks(module, _innermost([p for p in stage_paths[index] if _is_block(module, p)]))
         modules.append(module)
 
     # Pipeline schedules pass plain tensors between stages and to the loss: logits are gathered there.

@@ -16,3 +16,31 @@ def test_validate_gpu_runs_on_cpu():
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("gpt ")]
     assert len(rows) == 2  # recompute off and on
+
+
+def test_runtime_mfu_runs_on_cpu(tmp_path):
+    import json  # imports here: this file is appended to, not rewritten
+
+    import pytest
+
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/runtime_mfu.py", "--device", "cpu", "--precision", "fp32", "--no-compile",
+         "--model", "gpt", "--model-config", "layers=1,hidden=32,heads=2,vocab=64,seq_len=16", "--seq-len", "16",
+         "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--matmul-size", "128", "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[0] for line in result.stdout.splitlines() if line.startswith(("eager ", "autopar "))]
+    assert rows == ["eager", "autopar"]  # --no-compile: the two uncompiled variants, in order
+    record = json.loads(out.read_text())
+    assert [row["variant"] for row in record["rows"]] == ["eager", "autopar"]
+    for row in record["rows"]:
+        assert row["status"] == "ok" and row["tokens_per_s"] == pytest.approx(2 * 16 / row["step_s"])
+        assert row["mfu"] == pytest.approx(6 * record["num_params"] * row["tokens_per_s"] / record["peak_flops_per_s"])
+        assert row["mfu_vs_matmul"] > 0 and row["peak_memory_bytes"] == 0  # CPU: no CUDA memory figure
+    eager, runtime = record["rows"]
+    assert runtime["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-5)  # same weights, same tokens
+    assert record["ratios"]["c_over_b"] is None  # nothing compiled to compare
+    assert record["ratios"]["autopar_over_eager"] > 0
+    assert record["plan"].startswith("dp=1 tp=1 pp=1") and record["matmul_ceiling_flops_per_s"] > 0
