@@ -271,14 +271,14 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
                                   vocab_parallel_loss=s.pp == 1)
         # 4. recompute the planned modules
         apply_recompute(module, plan.recompute_modules, s.recompute)
+        blocks = _innermost([p for p in stage_paths[index] if _is_block(module, p)])
         # 5. ZeRO: FSDP2 units per block over the dp axis
         if s.zero >= 1:
-            blocks = _innermost([p for p in stage_paths[index] if _is_block(module, p)])
             apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision))
         # 6. materialize this rank's shards with the sharding-independent init
         materialize(module, source, layout.device)
         if compile:  # 6b. compile each block's forward, inside every wrapper above (runtime/compile.py)
-            compile_blocks(module, _innermost([p for p in stage_paths[index] if _is_block(module, p)]))
+            compile_blocks(module, blocks)
         modules.append(module)
 
     # Pipeline schedules pass plain tensors between stages and to the loss: logits are gathered there.

@@ -121,6 +121,7 @@ class _Refiner:
         self.cache: dict[tuple, Any] = {}
         self.ilp_variables = 0
         self.ilp_solve_s = 0.0
+        self._nodes: dict[str, Any] | None = None  # op name -> node, built once on first use
 
     def proposals(self, strategy: Strategy) -> tuple[dict[str, str], dict[str, list[str]]]:
         """The ILP's op placements and, per parameter, every tp placement its unit solves proposed
@@ -155,7 +156,9 @@ class _Refiner:
         (the same op reads the same parameter slot in every instance of a layer type)."""
         if solved_for.name == unit.name:
             return dict(placements)
-        nodes = {node.name: node for node in self.graph.nodes}
+        if self._nodes is None:
+            self._nodes = {node.name: node for node in self.graph.nodes}
+        nodes = self._nodes
         renamed: dict[str, str] = {}
         for old, new in zip(solved_for.ops, unit.ops):
             for a, b in zip(nodes[old.name].params, nodes[new.name].params):
