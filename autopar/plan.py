@@ -129,6 +129,8 @@ class PredictedMetrics(_Record):
     mfu: float = Field(ge=0, le=1)
     peak_memory_bytes: list[Annotated[int, Field(ge=0)]]  # one per pipeline rank (virtual stages share it)
     breakdown: dict[str, Annotated[float, Field(ge=0)]] = {}  # seconds: compute, exposed_communication, ...
+    # One per pipeline rank: seconds per step computing (forward, backward, recompute, optimizer), no communication.
+    compute_s: list[Annotated[float, Field(ge=0)]] = []
     # One list per pipeline rank: what a training step sends (gradient clipping on).
     collectives: list[list[CollectiveRecord]] = []
 

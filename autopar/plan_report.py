@@ -35,6 +35,7 @@ def evaluation_summary(evaluation: Evaluation) -> dict[str, Any]:
             "peak_memory_bytes_per_stage": [m.total_bytes for m in evaluation.memory],
             "memory_breakdown_bytes": [m.as_dict() for m in evaluation.memory],
             "breakdown": evaluation.breakdown,
+            "compute_s_per_stage": list(evaluation.rank_compute_s),
         },
         "stages": [
             {"index": stage.index, "rank": stage.rank, "units": list(stage.units),
@@ -262,18 +263,19 @@ def _predicted_view(predicted_source: Any) -> dict[str, Any]:
         p = predicted_source["predicted"]
         return {"step_time_s": p["step_time_s"], "peak_memory_bytes": list(p["peak_memory_bytes_per_stage"]),
                 "communication_s": p["breakdown"].get("exposed_communication"),
-                "stage_time_s": [st["forward_s"] + st["backward_s"] for st in predicted_source["stages"]]}
+                "compute_s": list(p.get("compute_s_per_stage", []))}
     p = predicted_source.get("predicted") or {}
     return {"step_time_s": p.get("step_time_s"), "peak_memory_bytes": list(p.get("peak_memory_bytes", [])),
-            "communication_s": (p.get("breakdown") or {}).get("exposed_communication"), "stage_time_s": []}
+            "communication_s": (p.get("breakdown") or {}).get("exposed_communication"),
+            "compute_s": list(p.get("compute_s", []))}
 
 
 def compare(predicted_source: Any, measured: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows of predicted against measured, for the figures both sides have.
 
-    `measured` keys (all optional): step_time_s; stage_time_s (list per virtual stage: one
-    micro-batch's forward + backward); peak_memory_bytes (list per pipeline rank); communication_s
-    (exposed communication per step). error_pct = (predicted − measured) / measured × 100.
+    `measured` keys (all optional): step_time_s; compute_s (list per pipeline rank: one step's
+    forward, backward, recompute and optimizer time, communication excluded); peak_memory_bytes
+    (list per pipeline rank); communication_s (exposed communication per step). error_pct = (predicted − measured) / measured × 100.
     """
     predicted = _predicted_view(predicted_source)
     rows: list[dict[str, Any]] = []
@@ -286,9 +288,9 @@ def compare(predicted_source: Any, measured: dict[str, Any]) -> list[dict[str, A
                      "error_pct": error})
 
     add("step time", "s", predicted["step_time_s"], measured.get("step_time_s"))
-    for index, got in enumerate(measured.get("stage_time_s") or []):
-        want = predicted["stage_time_s"][index] if index < len(predicted["stage_time_s"]) else None
-        add(f"stage {index} fwd+bwd (one micro-batch)", "s", want, got)
+    for rank, got in enumerate(measured.get("compute_s") or []):
+        want = predicted["compute_s"][rank] if rank < len(predicted["compute_s"]) else None
+        add(f"compute, pp rank {rank}", "s", want, got)
     for rank, got in enumerate(measured.get("peak_memory_bytes") or []):
         want = predicted["peak_memory_bytes"][rank] if rank < len(predicted["peak_memory_bytes"]) else None
         add(f"peak memory, pp rank {rank}", "bytes", want, got)

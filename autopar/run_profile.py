@@ -71,10 +71,12 @@ def _profiled(loop, start: int, end: int, stop, reporter, num_params, peak, nomi
     directory = Path(loop.config.profile_dir)
     directory.mkdir(parents=True, exist_ok=True)
     trace = directory / f"rank{rank}.trace.json"
+    events = profiler.events()
     profiler.export_chrome_trace(str(trace))
     mine = {"pp_rank": loop.parallel.layout.pp_rank, "step_time_s": elapsed_s / max(steps, 1),
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-            "communication_s": collective_time_s(profiler.events(), cuda) / max(steps, 1)}
+            "communication_s": collective_time_s(events, cuda) / max(steps, 1),
+            "compute_s": compute_time_s(events, cuda) / max(steps, 1)}
     everyone = [mine]
     if grouped:
         everyone = [None] * dist.get_world_size()
@@ -85,12 +87,15 @@ def _profiled(loop, start: int, end: int, stop, reporter, num_params, peak, nomi
 
 
 def _combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One measurement per plan figure: the slowest rank's step, each pipeline rank's largest peak,
-    and rank 0's time in collectives (the plan predicts the critical rank's exposed part)."""
+    """One measurement per plan figure: the slowest rank's step, each pipeline rank's largest peak
+    and longest compute, and rank 0's time in collectives (the plan predicts the critical rank's
+    exposed part)."""
+    ranks = max(r["pp_rank"] for r in per_rank) + 1
     measured: dict[str, Any] = {"step_time_s": max(r["step_time_s"] for r in per_rank),
-                                "communication_s": per_rank[0]["communication_s"]}
+                                "communication_s": per_rank[0]["communication_s"],
+                                "compute_s": [max(r["compute_s"] for r in per_rank if r["pp_rank"] == p)
+                                              for p in range(ranks)]}
     if all(r["peak_memory_bytes"] is not None for r in per_rank):
-        ranks = max(r["pp_rank"] for r in per_rank) + 1
         measured["peak_memory_bytes"] = [max(r["peak_memory_bytes"] for r in per_rank if r["pp_rank"] == p)
                                          for p in range(ranks)]
     return measured
@@ -113,14 +118,52 @@ def collective_time_s(events, cuda: bool) -> float:
     return union_length_us(intervals) / 1e6
 
 
-def union_length_us(intervals: list[tuple[float, float]]) -> float:
-    total, reach = 0.0, float("-inf")
-    for begin, end in sorted(intervals):
-        if end <= reach:
-            continue
-        total += end - max(begin, reach)
-        reach = end
+def compute_time_s(events, cuda: bool) -> float:
+    """Wall time covered by computation: GPU kernels other than NCCL's on CUDA; on the CPU the
+    top-level operators (`aten::`), whose children lie inside them. Collectives are not compute,
+    and on the CPU time inside a collective's interval is taken out (gloo copies with aten ops)."""
+    compute, collectives = [], []
+    for event in events:
+        name = event.name
+        begin = event.time_range.start
+        interval = (begin, begin + event.time_range.elapsed_us())
+        on_gpu = str(getattr(event, "device_type", "")).endswith("CUDA")
+        if cuda:
+            if on_gpu and "nccl" not in name.lower() and not name.startswith(("Memcpy", "Memset")):
+                compute.append(interval)
+        elif name.startswith("gloo:"):
+            collectives.append(interval)
+        elif name.startswith("aten::"):
+            compute.append(interval)
+    return (union_length_us(compute) - overlap_length_us(compute, collectives)) / 1e6
+
+
+def overlap_length_us(first: list[tuple[float, float]], second: list[tuple[float, float]]) -> float:
+    """Length of (union of `first`) ∩ (union of `second`)."""
+    merged_first, merged_second = merge(first), merge(second)
+    total, j = 0.0, 0
+    for begin, end in merged_first:
+        while j < len(merged_second) and merged_second[j][1] <= begin:
+            j += 1
+        k = j
+        while k < len(merged_second) and merged_second[k][0] < end:
+            total += min(end, merged_second[k][1]) - max(begin, merged_second[k][0])
+            k += 1
     return total
+
+
+def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for begin, end in sorted(intervals):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif end > begin:
+            merged.append((begin, end))
+    return merged
+
+
+def union_length_us(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - begin for begin, end in merge(intervals))
 
 
 def _report(loop, measured: dict[str, Any], reporter) -> None:

@@ -54,6 +54,9 @@ class Evaluation:
     stages: tuple[StageCost, ...]
     pipeline: PipelineResult | None = field(default=None, repr=False)
     capacity_bytes: float = 0.0
+    # Per pipeline rank, one step's busy time with no communication in it (forward, backward,
+    # recompute, optimizer): the figure a profiler can check rank by rank.
+    rank_compute_s: tuple[float, ...] = ()
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -207,6 +210,9 @@ def evaluate(
     tflops_per_gpu = model_flops / step_time / world / 1e12
     critical_stages = [i for i, c in enumerate(stage_costs) if c.rank == critical]
     m = s.num_microbatches
+    rank_compute = tuple(
+        m * sum(compute_parts[i][0] + compute_parts[i][1] for i, c in enumerate(stage_costs) if c.rank == rank)
+        + optimizer[rank] for rank in range(s.pp))
     compute = m * sum(compute_parts[i][0] for i in critical_stages)
     recompute = m * sum(compute_parts[i][1] for i in critical_stages)
     tp_comm = m * sum(compute_parts[i][2] for i in critical_stages)
@@ -223,7 +229,7 @@ def evaluate(
         tokens_per_s=tokens / step_time, tflops_per_gpu=tflops_per_gpu,
         mfu=tflops_per_gpu * 1e12 / gpu.peak_flops_per_s(dtype), fits=fits, memory=memory,
         breakdown=breakdown, stages=tuple(stage_costs), pipeline=pipe,
-        capacity_bytes=capacity,
+        capacity_bytes=capacity, rank_compute_s=rank_compute,
     )
 
 

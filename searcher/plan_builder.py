@@ -46,6 +46,7 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
             tflops_per_gpu=evaluation.tflops_per_gpu, mfu=min(evaluation.mfu, 1.0),
             peak_memory_bytes=[int(m.total_bytes) for m in evaluation.memory],
             breakdown={k: max(v, 0.0) for k, v in evaluation.breakdown.items()},
+            compute_s=list(evaluation.rank_compute_s),
             collectives=_predicted_collectives(candidate, graph, facts, tp_placements),
         ),
         provenance=Provenance(model_name=graph.model_name, model_fingerprint=graph.model_fingerprint,

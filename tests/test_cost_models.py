@@ -118,6 +118,22 @@ def test_evaluation_is_consistent(facts):
     assert sum(parts.values()) == pytest.approx(result.step_time_s, rel=0.05)
 
 
+def test_each_pipeline_rank_computes_its_own_stages(facts):
+    result = evaluate(facts, CLUSTER, strategy(recompute="full"), 16)
+    assert len(result.rank_compute_s) == 4
+    # the critical rank's compute figure is the breakdown's compute + recompute + optimizer
+    parts = result.breakdown
+    assert max(result.rank_compute_s) >= parts["compute"] + parts["recompute"] + parts["optimizer"] - 1e-12
+    # the first rank holds the embedding, the last the head: unlike the middle ranks, which match
+    first, second, third, last = result.rank_compute_s
+    assert second == pytest.approx(third) and first != pytest.approx(second) and last > second
+    # one rank: exactly the breakdown's compute parts, none of its communication
+    single = evaluate(facts, CLUSTER, strategy(pp=1, recompute="selective"), 16)
+    parts = single.breakdown
+    assert parts["exposed_communication"] > 0
+    assert single.rank_compute_s == pytest.approx((parts["compute"] + parts["recompute"] + parts["optimizer"],))
+
+
 def test_tensor_parallel_all_reduces_per_layer(facts):
     from cost_models.compute import unit_time
 

@@ -218,12 +218,13 @@ def test_compare_rows_and_terminal_table(written):
     summary, _, _ = written
     predicted = summary["predicted"]
     measured = {"step_time_s": predicted["step_time_s"] * 1.25, "peak_memory_bytes": [2**30, None],
-                "stage_time_s": [summary["stages"][0]["forward_s"] + summary["stages"][0]["backward_s"]],
+                "compute_s": [predicted["compute_s_per_stage"][0] / 2],
                 "communication_s": predicted["breakdown"]["exposed_communication"] / 2}
     rows = compare(summary, measured)
     by_metric = {r["metric"]: r for r in rows}
     assert by_metric["step time"]["error_pct"] == pytest.approx(-20.0)
-    assert by_metric["stage 0 fwd+bwd (one micro-batch)"]["error_pct"] == pytest.approx(0.0)
+    assert by_metric["compute, pp rank 0"]["error_pct"] == pytest.approx(100.0)
+    assert "compute, pp rank 1" not in by_metric
     assert by_metric["exposed communication"]["error_pct"] == pytest.approx(100.0)
     assert "peak memory, pp rank 1" not in by_metric  # nothing measured there
     text = render_comparison(rows)

@@ -134,6 +134,8 @@ def test_profile_steps_prints_predicted_vs_measured_saves_traces_and_extends_the
     assert "profiled steps 2-3" in out and "predicted vs measured" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("step time"))
     assert "ms" in row and "%" in row
+    compute = next(line for line in out.splitlines() if line.strip().startswith("compute, pp rank 0"))
+    assert "ms" in compute and "%" in compute
     assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == ["1", "2", "3", "4", "5"]
     trace = json.loads((tmp_path / "prof" / "rank0.trace.json").read_text())
     assert any(event.get("name", "").startswith("aten::") for event in trace["traceEvents"])
@@ -212,3 +214,43 @@ def test_two_processes_resume_under_another_strategy_with_the_same_losses(tmp_pa
     continued = {r["step"]: r["loss"] for r in _records(tmp_path / "tp.jsonl")}
     assert sorted(continued) == [5, 6]
     assert [continued[s] for s in (5, 6)] == pytest.approx([straight[s] for s in (5, 6)], rel=1e-5)
+
+
+class _Event:
+    """The parts of a torch.profiler FunctionEvent that the measurement reads."""
+
+    def __init__(self, name: str, start_us: float, end_us: float, device: str = "DeviceType.CPU"):
+        from types import SimpleNamespace
+
+        self.name, self.device_type = name, device
+        self.time_range = SimpleNamespace(start=start_us, elapsed_us=lambda: end_us - start_us)
+
+
+def test_compute_time_counts_nested_operators_once_and_leaves_collectives_out():
+    from autopar.run_profile import collective_time_s, compute_time_s
+
+    cpu = [_Event("aten::linear", 0, 100), _Event("aten::addmm", 10, 90),  # nested: counted once
+           _Event("aten::copy_", 150, 200), _Event("gloo:all_reduce", 180, 260),  # 20 us of the copy is gloo's
+           _Event("ProfilerStep#1", 0, 400), _Event("aten::mul", 300, 320)]
+    assert compute_time_s(cpu, cuda=False) == pytest.approx((100 + 30 + 20) / 1e6)
+    assert collective_time_s(cpu, cuda=False) == pytest.approx(80 / 1e6)
+    gpu = [_Event("ampere_sgemm", 0, 50, "DeviceType.CUDA"), _Event("ncclKernel_AllReduce", 40, 90, "DeviceType.CUDA"),
+           _Event("Memcpy HtoD", 90, 95, "DeviceType.CUDA"), _Event("aten::mm", 0, 10),
+           _Event("vectorized_elementwise", 100, 110, "DeviceType.CUDA")]
+    assert compute_time_s(gpu, cuda=True) == pytest.approx(60 / 1e6)  # kernels only, NCCL's and copies out
+    assert collective_time_s(gpu, cuda=True) == pytest.approx(50 / 1e6)
+
+
+def test_two_pipeline_ranks_each_get_a_measured_compute_row(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    done = subprocess.run([*torchrun, "-m", "autopar", "run", *BYTES, "--precision", "fp32", "--steps", "3",
+                           "--strategy", "pp=2,microbatch=2", "--profile-steps", "1",
+                           "--profile-dir", str(tmp_path / "prof")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("  ")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("  ")
+            and "%" in line}
+    assert {"step time", "compute, pp rank 0", "compute, pp rank 1"} <= set(rows), done.stdout
+    assert done.stdout.count("predicted vs measured") == 1  # rank 0 alone prints the table
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["rank0.trace.json", "rank1.trace.json"]
