@@ -89,7 +89,8 @@ def quick_evaluations(
         if reason is not None:
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
-        quick.append(evaluate(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency))
+        quick.append(evaluate(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
+                              vocab=head_vocab(facts, strategy)))
     if not quick:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
@@ -106,11 +107,17 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
                                                efficiency=efficiency)
     quick.sort(key=lambda e: (not e.fits, e.step_time_s))
-    ranked = [evaluate(facts, cluster, e.strategy, global_batch, exact=True, efficiency=efficiency)
-              for e in quick[:top_k]]
+    ranked = [evaluate(facts, cluster, e.strategy, global_batch, exact=True, efficiency=efficiency,
+                       vocab=head_vocab(facts, e.strategy)) for e in quick[:top_k]]
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
     best = ranked[0] if ranked[0].fits else None
     return WhatIf(best=best, ranked=ranked, candidates=count, rejected=rejected)
+
+
+def head_vocab(facts: ModelFacts, strategy: Strategy) -> int | None:
+    """Under tp the runtime runs the head vocabulary-parallel (Megatron's layout): its collectives
+    are charged from the vocabulary size."""
+    return facts.vocab if strategy.tp > 1 else None
 
 
 def _check_fixed_degrees(fixed: dict[str, Any], world_size: int) -> None:

@@ -177,6 +177,15 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                     f"module {path!r} mixes tensor-parallel linears the runtime cannot chain ({described}): a block "
                     f"needs column-parallel inputs and a row-parallel output, or all replicated"
                 )
+            order = [kinds.get(c) for c in children if c != head_path]
+            if order.index("row") < max(i for i, kind in enumerate(order) if kind == "col"):
+                # Registration order stands for call order (true of q/k/v/o and fc1/fc2 blocks): a
+                # row-parallel linear before a column-parallel one would run on a shard it never got.
+                described = ", ".join(f"{c}={kinds.get(c)}" for c in children)
+                raise AutoparError(
+                    f"module {path!r} has a row-parallel linear before a column-parallel one ({described}): a block "
+                    f"runs column-parallel inputs first and its row-parallel output last"
+                )
             styles[path] = _BlockInput(sp)
     return styles
 

@@ -31,7 +31,7 @@ from cost_models.collectives import placed_units
 from cost_models.facts import ModelFacts, Unit, model_facts
 from cost_models.memory import state_bytes_per_param, usable_bytes
 from cost_models.strategy import check_strategy
-from cost_models.whatif import quick_evaluations
+from cost_models.whatif import head_vocab, quick_evaluations
 from searcher.inter_op import UnitCost, partition as dp_partition
 
 REFINE_TOP = 12
@@ -173,7 +173,7 @@ class _Refiner:
         sequence parallelism) and the intra-op ILP's proposed placements, each on its best stage
         partition. An ILP proposal is priced as it runs (`placed_units`, the same evaluator), not by
         the ILP's objective; a weight with several proposals (tied) takes one, the cheaper."""
-        tp_vocab = self.facts.vocab if strategy.tp > 1 else None  # Megatron's head is vocabulary parallel
+        tp_vocab = head_vocab(self.facts, strategy)  # Megatron's head is vocabulary parallel
         candidates = [self._refine_with(strategy, list(self.facts.units), {}, {}, vocab=tp_vocab)]
         if strategy.sp and self.fixed.get("sp"):  # the user asked for Megatron sequence parallelism
             return candidates[0]
@@ -318,7 +318,7 @@ def _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best) -> l
             continue
         choice = options[0]  # quick is ranked: the best of its family
         exact = evaluate(facts, cluster, choice.strategy, global_batch, efficiency=efficiency,
-                         vocab=facts.vocab if choice.strategy.tp > 1 else None)  # as `refine` prices Megatron
+                         vocab=head_vocab(facts, choice.strategy))  # as `refine` prices Megatron
         if best is not None and choice.strategy == best.strategy:
             continue
         rows.append(WhyNot(label, choice.strategy, _reason(exact, reference)))

@@ -316,3 +316,15 @@ def test_placed_ledger_follows_each_layer_placement(tiny_gpt):
     # a hidden-sharded position table: one all-gather of the (s, h) table per micro-batch, whatever the batch
     gathered = _placed_ledger(graph, facts, {"pos_embed.weight": "S(1)"}, s)
     assert gathered[("tp", "all_gather")] == (s.num_microbatches, s.num_microbatches * facts.seq_len * hidden * 4)
+
+
+def test_what_if_charges_the_vocabulary_parallel_head_under_tp(facts):
+    from cost_models.whatif import what_if
+
+    fixed = dict(dp=2, tp=2, pp=4, microbatch=1, zero=0, recompute="none", sp=False, schedule="1f1b", vp=1)
+    result = what_if(facts, CLUSTER, fixed, 16, layers=8, top_k=1)
+    (chosen,) = result.ranked
+    with_head = evaluate(facts, CLUSTER, chosen.strategy, 16, vocab=facts.vocab)
+    without_head = evaluate(facts, CLUSTER, chosen.strategy, 16)
+    assert chosen.step_time_s == pytest.approx(with_head.step_time_s)
+    assert with_head.step_time_s > without_head.step_time_s  # the head's collectives cost something

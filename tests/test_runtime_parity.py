@@ -287,5 +287,9 @@ def test_placement_check_names_what_the_runtime_cannot_chain():
     assert check({}) is None  # all replicated
     assert "mixes tensor-parallel linears" in check({**megatron, "layers.0.attn.out_proj.weight": "R"})
     assert "bias" in check({**megatron, "layers.0.attn.q_proj.bias": "R"})
+    swapped_mlp = {"layers.0.mlp.fc1.weight": "S(1)", "layers.0.mlp.fc2.weight": "S(0)", "layers.0.mlp.fc2.bias": "S(0)"}
+    assert "row-parallel linear before a column-parallel one" in check({**megatron, **swapped_mlp})
+    assert check({**megatron, "layers.0.mlp.fc1.weight": "S(0)", "layers.0.mlp.fc1.bias": "S(0)",
+                  "layers.0.mlp.fc2.weight": "S(1)"}) is None
     assert "only Linear and Embedding" in check_tp_placements(module, {"layers.0.ln1.weight": "S(0)"}, sp=False)
     assert "head" in check({"embed.weight": "S(1)"})  # tied to the head: a row-parallel head fails at its first step
