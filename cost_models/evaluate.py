@@ -4,7 +4,12 @@ Pure function of (model facts, cluster, strategy, global batch). Order of a step
 executes it: each pipeline stage runs its forward and backward passes per micro-batch (with the
 tensor-parallel all-reduces inside them, not overlapped, as in Megatron-LM), ZeRO-3 gathers
 weights per micro-batch overlapped with compute, then data-parallel gradient sync overlapped with
-the last micro-batch's backward (bucketed), then the optimizer step.
+the last micro-batch's backward (bucketed), the gradient sum of weights tied across pipeline ranks
+(a GPT's embedding and head), then the optimizer step.
+
+`overlap_grad_sync=False` prices a system that starts the data-parallel sync only after the last
+backward, as Megatron-LM's 2021 local DDP did (`allreduce_gradients()` after
+`forward_backward_func` in megatron/training.py): what its published runs measured.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def evaluate(
     stages: list[list[Unit]] | None = None,
     vocab: int | None = None,
     recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
+    overlap_grad_sync: bool = True,
 ) -> Evaluation:
     """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates);
     `stages` overrides the even split of layers with a searched partition (pp·vp lists of units).
@@ -157,8 +163,11 @@ def evaluate(
         compute_parts.append((forward + backward, recompute_extra,
                               forward_comm + backward_comm + zero3_forward + zero3_backward))
 
-    for rank, tied in enumerate(tied_across_ranks(stages_units, s.pp, s.tp)):
+    tied_ranks = tied_across_ranks(stages_units, s.pp, s.tp)
+    for rank, tied in enumerate(tied_ranks):
         rank_params[rank] += sum(elements for _, elements in tied["copies"])  # a tied head's copy of the embedding
+    # first and last pipeline ranks: `pp - 1` rank strides apart
+    tied_layout = group_layout(2, s.dp * s.tp * max(s.pp - 1, 1), cluster.gpus_per_node)
 
     boundary_bytes = max((u[0].input_bytes for u in stages_units[1:] if u), default=0.0) * b / (s.tp if s.sp else 1)
     p2p = collective_time_s("send_recv", boundary_bytes, pp_layout, cluster) if s.pp > 1 else 0.0
@@ -178,12 +187,15 @@ def evaluate(
             reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce", grad_bytes, dp_layout, cluster)
             window = sum(c.backward_s for c in stage_costs if c.rank == rank)
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-            exposed = max(reduce - window, reduce / buckets)
+            exposed = max(reduce - window, reduce / buckets) if overlap_grad_sync else reduce
             if s.zero >= 1:  # updated weight shards are gathered after the step: nothing to hide it behind
                 exposed += collective_time_s("all_gather", rank_params[rank] * per.weight, dp_layout, cluster)
         rank_units = [u for c, units in zip(stage_costs, stages_units) if c.rank == rank for u in units]
         exposed += sum(calls * collective_time_s("all_reduce", size, tp_layout, cluster)
                        for size, calls in sequence_parallel_gradient_reductions(rank_units, s))
+        if tied_ranks[rank]["summed"]:  # as the ledger sends it: after backward, nothing to hide behind
+            tied_bytes = tied_ranks[rank]["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES
+            exposed += collective_time_s("all_reduce", tied_bytes, tied_layout, cluster)
         updated = rank_params[rank] / (s.dp if s.zero >= 1 else 1)
         step = updated * OPTIMIZER_BYTES_PER_PARAM / (gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
         dp_exposed.append(exposed)

@@ -67,6 +67,7 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
 def quick_evaluations(
     facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *, layers: int,
     efficiency: Efficiency = DEFAULT_EFFICIENCY, supports: Callable[[Strategy], str | None] | None = None,
+    overlap_grad_sync: bool = True,
 ) -> tuple[list[Evaluation], int, dict[str, int]]:
     """Every valid completion of `fixed`, costed with the closed-form pipeline estimate.
 
@@ -90,7 +91,7 @@ def quick_evaluations(
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
         quick.append(evaluate(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
-                              vocab=head_vocab(facts, strategy)))
+                              vocab=head_vocab(facts, strategy), overlap_grad_sync=overlap_grad_sync))
     if not quick:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
@@ -102,13 +103,16 @@ def quick_evaluations(
 
 
 def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int,
-            *, layers: int, top_k: int = 5, efficiency: Efficiency | None = None) -> WhatIf:
+            *, layers: int, top_k: int = 5, efficiency: Efficiency | None = None,
+            overlap_grad_sync: bool = True) -> WhatIf:
+    """`overlap_grad_sync`: see `evaluate` (False prices Megatron-LM 2021's published runs)."""
     efficiency = efficiency or DEFAULT_EFFICIENCY
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
-                                               efficiency=efficiency)
+                                               efficiency=efficiency, overlap_grad_sync=overlap_grad_sync)
     quick.sort(key=lambda e: (not e.fits, e.step_time_s))
     ranked = [evaluate(facts, cluster, e.strategy, global_batch, exact=True, efficiency=efficiency,
-                       vocab=head_vocab(facts, e.strategy)) for e in quick[:top_k]]
+                       vocab=head_vocab(facts, e.strategy), overlap_grad_sync=overlap_grad_sync)
+              for e in quick[:top_k]]
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
     best = ranked[0] if ranked[0].fits else None
     return WhatIf(best=best, ranked=ranked, candidates=count, rejected=rejected)

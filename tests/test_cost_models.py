@@ -328,3 +328,26 @@ def test_what_if_charges_the_vocabulary_parallel_head_under_tp(facts):
     without_head = evaluate(facts, CLUSTER, chosen.strategy, 16)
     assert chosen.step_time_s == pytest.approx(with_head.step_time_s)
     assert with_head.step_time_s > without_head.step_time_s  # the head's collectives cost something
+
+
+def test_tied_embedding_gradient_sum_over_the_pipeline_is_charged(facts):
+    from cost_models.collectives import GRADIENT_REDUCE_BYTES, tied_across_ranks
+    from cost_models.evaluate import partition
+
+    s = strategy(dp=1, tp=1, pp=2, num_microbatches=16)
+    result = evaluate(facts, CLUSTER, s, 16)
+    summed = tied_across_ranks(partition(facts, 2), 2, 1)
+    assert summed[0]["summed"] > 0 and summed[1]["summed"] > 0  # the embedding (rank 0) and the head (rank 1)
+    layout = group_layout(2, 1, CLUSTER.gpus_per_node)
+    expected = collective_time_s("all_reduce", summed[0]["summed"] * GRADIENT_REDUCE_BYTES, layout, CLUSTER)
+    # nothing else to expose with dp = tp = 1: the breakdown's communication is that one sum
+    assert result.breakdown["exposed_communication"] == pytest.approx(expected)
+
+
+def test_unoverlapped_gradient_sync_exposes_the_whole_reduction(facts):
+    s = strategy(dp=4, tp=2, pp=2, num_microbatches=4)
+    overlapped = evaluate(facts, CLUSTER, s, 16)
+    after_backward = evaluate(facts, CLUSTER, s, 16, overlap_grad_sync=False)
+    assert after_backward.step_time_s > overlapped.step_time_s
+    assert after_backward.breakdown["exposed_communication"] > overlapped.breakdown["exposed_communication"]
+    assert after_backward.breakdown["compute"] == pytest.approx(overlapped.breakdown["compute"])

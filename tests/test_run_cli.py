@@ -62,7 +62,8 @@ def test_torchrun_two_processes_data_parallel_matches_one_process(single_run, tm
     _, records = single_run
     metrics = tmp_path / "m.jsonl"
     torchrun = Path(sys.executable).parent / "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # faulthandler: a rank that dies on a signal prints its Python stacks (a rare abort was seen once)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     done = subprocess.run(
