@@ -7,10 +7,32 @@ together with the runtime code and tests that realize it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from autopar.plan import Strategy
+
+
+@dataclass(frozen=True)
+class TpBlock:
+    """Linear weights the runtime shards together: either all R, or every input column parallel
+    (S(0)) and every output row parallel (S(1)); it runs the inputs first, the outputs last."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class TpRules:
+    """The tp placements the runtime executes, per parameter of one model, as pure data (no module),
+    so the intra-op ILP can offer nothing else. All R is always allowed."""
+
+    # Every alias of a tied weight is listed (with what all its modules allow).
+    allowed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Linear bias -> its weight: the bias is S(0) exactly when the weight is (column parallel), else R.
+    bias_follows: dict[str, str] = field(default_factory=dict)
+    blocks: tuple[TpBlock, ...] = ()
+    tied: tuple[tuple[str, ...], ...] = ()  # aliases of one parameter (the graph keeps one of the names)
 
 
 @dataclass(frozen=True)
@@ -29,6 +51,9 @@ class Capabilities:
     # on this runtime, whatever the placements; None when it can, or when no model is at hand.
     tensor_parallel_refusal: str | None = None
     pipeline_refusal: str | None = None
+    # The same runtime's rules as data, for the ILP to offer only what `check_placements` accepts;
+    # None when no model is at hand (no rules).
+    tp_rules: TpRules | None = None
 
     def supports(self, strategy: Strategy) -> str | None:
         """None when the runtime can execute `strategy`, else the reason it cannot."""

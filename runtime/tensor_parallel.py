@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 
-from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities
+from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities, TpBlock, TpRules
 from autopar.errors import AutoparError
 from autopar.plan import parse_placements
 
@@ -48,7 +48,52 @@ def capabilities_for(model: nn.Module) -> Capabilities:
     return dataclasses.replace(RUNTIME_CAPABILITIES,
                                check_placements=lambda placements: check_tp_placements(model, placements, sp=False),
                                tensor_parallel_refusal=tensor_parallel_refusal(model),
-                               pipeline_refusal=pipeline_refusal(model))
+                               pipeline_refusal=pipeline_refusal(model),
+                               tp_rules=tp_rules(model))
+
+
+def tp_rules(model: nn.Module) -> TpRules:
+    """What `check_tp_placements` (sp=False, as ILP placements run) accepts, as data for the searcher.
+
+    Read as `_styles` reads the model: Linear weights R, S(0) or S(1) as their block allows (the
+    head R or S(0)), biases following their weight, Embedding weights R, S(0) or S(1), anything
+    else R. A block's direct Linear children (head excluded) run column-parallel inputs first and
+    row-parallel outputs last: the last registered is taken as the block's output projection (as
+    q/k/v/o and fc1/fc2 are registered), so one split per block is offered; a Linear alone in its
+    module cannot form a block and stays R.
+    """
+    head = default_head_path(model)
+    blocks, roles = [], {}  # Linear path -> the placement its block gives it when sharded
+    for path, module in model.named_modules():
+        children = [child for child in _linear_children(path, module) if child != head]
+        if len(children) >= 2:
+            blocks.append(TpBlock(tuple(f"{c}.weight" for c in children[:-1]), (f"{children[-1]}.weight",)))
+            roles.update({**{c: "S(0)" for c in children[:-1]}, children[-1]: "S(1)"})
+    by_param: dict[int, tuple[str, ...]] = {}  # allowed placements, intersected over every module holding it
+    bias_follows = {}
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            if isinstance(module, nn.Linear) and attr in ("weight", "bias"):
+                sharded = "S(0)" if path == head else roles.get(path)
+                if attr == "bias":
+                    sharded = "S(0)" if sharded == "S(0)" else None
+                    bias_follows[prefix + attr] = prefix + "weight"
+                allowed = ("R",) if sharded is None else ("R", sharded)
+            elif isinstance(module, nn.Embedding) and attr == "weight":
+                allowed = ("R", "S(0)", "S(1)")
+            else:
+                allowed = ("R",)
+            known = by_param.get(id(param), allowed)
+            by_param[id(param)] = tuple(p for p in known if p in allowed)
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    allowed = {name: by_param.get(key, ("R",)) for key, names in aliases.items() for name in names}
+    return TpRules(allowed=allowed, bias_follows=bias_follows, blocks=tuple(blocks),
+                   tied=tuple(tuple(names) for names in aliases.values() if len(names) > 1))
 
 
 def tensor_parallel_refusal(model: nn.Module) -> str | None:
@@ -167,8 +212,7 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
             # become replicated DTensors, so their gradients are summed over tp.
             styles[path] = SequenceParallel()
     for path, module in model.named_modules():
-        children = [f"{path}.{name}" if path else name for name, child in module.named_children()
-                    if isinstance(child, nn.Linear)]
+        children = _linear_children(path, module)
         child_kinds = {kinds.get(c) for c in children if c != head_path}
         if "col" in child_kinds or "row" in child_kinds:
             if child_kinds - {"col", "row"} or "col" not in child_kinds or "row" not in child_kinds:
@@ -219,6 +263,12 @@ class _BlockInput(ParallelStyle):
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
+
+
+def _linear_children(path: str, module: nn.Module) -> list[str]:
+    """Paths of a module's direct Linear children in registration order (which stands for call order)."""
+    return [f"{path}.{name}" if path else name for name, child in module.named_children()
+            if isinstance(child, nn.Linear)]
 
 
 def _sequence_dim(path: str) -> int:

@@ -46,6 +46,9 @@ Constraint families, one method each on `_Ilp`:
   with a single placement makes the indicator linear in the other side's x: no y).
 - `_shared_reshards`: w[k] ≥ y[e, p, q] for every edge e whose p→q is conversion k (a k with a
   single edge puts C_k on y directly).
+- `_runtime_rules` (with the runtime's `TpRules`): parameter placements the runtime executes only
+  (`searcher.intra_op_rules`): x = 0 for a placement not allowed; x[bias, S(0)] = x[weight, S(0)];
+  per block, x[input, S(0)] = x[output, S(1)] for all its Linear weights (all sharded or all R).
 - `_memory_budget` (with a budget): parameter bytes per rank (× `param_state_multiplier`) + saved
   activation bytes per rank ≤ budget.
 The plan is written back as OpFacts (tp_sharded; reduce_bytes: the first all-reduce before an op;
@@ -58,11 +61,13 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from autopar.capabilities import TpRules
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph, OpNode, TensorMeta
 from cost_models.communication import collective_time_s, group_layout
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, op_time_s
 from cost_models.facts import OpFacts, Unit
+from searcher.intra_op_rules import equal, forbidden
 from searcher.intra_op_strategies import (P, R, S, gradient_tensors, input_names, op_strategies, shard_dim, shardable,
                                           through_views, trace_views)
 
@@ -286,7 +291,8 @@ class UnitProblem:
 class _Ilp:
     """The MIP over a `UnitProblem`: binary x per choice; continuous y per edge pair, w per shared conversion."""
 
-    def __init__(self, problem: UnitProblem, memory_budget_bytes: float | None, solver_name: str = "HIGHS") -> None:
+    def __init__(self, problem: UnitProblem, memory_budget_bytes: float | None, solver_name: str = "HIGHS",
+                 tp_rules: TpRules | None = None) -> None:
         from ortools.linear_solver import pywraplp
 
         self.problem = problem
@@ -304,6 +310,8 @@ class _Ilp:
                 self._term(v, [c], cost * _US)
         self._one_choice()
         self._shared_reshards(self._edge_marginals())
+        if tp_rules is not None:
+            self._runtime_rules(tp_rules)
         if memory_budget_bytes is not None:
             self._memory_budget(memory_budget_bytes)
         objective = self.solver.Objective()
@@ -390,6 +398,21 @@ class _Ilp:
                 row_vars = [(paid, 1.0)] + [(var, -sign) for var, sign in extra]
                 self._row([(v, c, -sign) for v, c, sign in items], row_vars, 0.0, self.solver.infinity())
 
+    def _runtime_rules(self, rules: TpRules) -> None:
+        """Only parameter placements the runtime executes: a solution it refuses is no proposal."""
+        labels = {d.key[6:]: d.labels for d in self.problem.decisions if d.key.startswith("param:")}
+
+        def item(indicator: tuple[str, str], sign: float) -> tuple[int, list[int], float]:
+            v = self.problem.index[f"param:{indicator[0]}"]
+            return v, [c for c, label in enumerate(labels[indicator[0]]) if label == indicator[1]], sign
+
+        for indicator in forbidden(rules, labels):
+            v, choices, _ = item(indicator, 1.0)
+            for c in choices if self.x[v] is not None else ():  # a single choice is R: always allowed
+                self.x[v][c].SetUb(0.0)
+        for a, b in equal(rules, labels):
+            self._row([item(a, 1.0), item(b, -1.0)], [], 0.0, 0.0)
+
     def _memory_budget(self, budget: float) -> None:
         items = [(v, [c], nbytes / 2**20) for v, d in enumerate(self.problem.decisions)
                  for c, nbytes in enumerate(d.memory) if nbytes]  # MiB keeps the row well scaled
@@ -411,9 +434,12 @@ class _Ilp:
 
 def solve_unit(unit: Unit, graph: OpGraph, *, tp: int, batch: int, cluster: ClusterSpec, dtype: str,
                memory_budget_bytes: float | None = None, efficiency: Efficiency = DEFAULT_EFFICIENCY,
-               time_limit_s: float = 30.0, param_state_multiplier: float = 1.0, solver: str = "HIGHS") -> LayerSharding:
+               time_limit_s: float = 30.0, param_state_multiplier: float = 1.0, solver: str = "HIGHS",
+               tp_rules: TpRules | None = None) -> LayerSharding:
     """The cheapest tp sharding of one unit (module docstring). `param_state_multiplier` scales
     parameter bytes in the memory row (e.g. weight + gradient + optimizer bytes per weight byte).
+    `tp_rules` (the runtime's, looked up by this unit's parameter names) keeps the parameter
+    placements to those the runtime executes.
     An unmet budget gives status "infeasible", objective inf and the unit unchanged."""
     started = time.perf_counter()
     if tp <= 1:
@@ -422,7 +448,7 @@ def solve_unit(unit: Unit, graph: OpGraph, *, tp: int, batch: int, cluster: Clus
         return LayerSharding(unit.ops, unit, {op.name: R for op in unit.ops}, {}, {}, {}, total, 0.0, 0, 0,
                              time.perf_counter() - started, "trivial")
     problem = UnitProblem(unit, graph, tp, batch, cluster, dtype, efficiency, param_state_multiplier)
-    ilp = _Ilp(problem, memory_budget_bytes, solver)
+    ilp = _Ilp(problem, memory_budget_bytes, solver, tp_rules)
     status, choice = ilp.solve(time_limit_s)
     size = (ilp.solver.NumVariables(), ilp.solver.NumConstraints())
     if choice is None:

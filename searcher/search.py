@@ -139,7 +139,8 @@ class _Refiner:
             key = (unit.layer_type or unit.name, strategy.tp, strategy.microbatch)
             if key not in self.cache:
                 solution = solve_unit(unit, self.graph, tp=strategy.tp, batch=strategy.microbatch,
-                                      cluster=self.cluster, dtype=self.facts.precision, efficiency=self.efficiency)
+                                      cluster=self.cluster, dtype=self.facts.precision, efficiency=self.efficiency,
+                                      tp_rules=self.capabilities.tp_rules)
                 self.cache[key] = (solution, unit)
                 self.ilp_variables += getattr(solution, "variables", 0)
                 self.ilp_solve_s += getattr(solution, "solve_s", 0.0)

@@ -139,13 +139,13 @@ def test_every_layer_instance_runs_the_placements_the_ilp_chose_for_its_type(sma
     graph, facts = small
     spec = build_model("gpt", CONFIG)
     cluster = load_cluster("dgx-h100", gpus=8)
-    result = search(graph, facts, cluster, 32, fixed={"tp": 4, "pp": 1}, use_ilp=True,
-                    capabilities=capabilities_for(spec.module))
+    capabilities = capabilities_for(spec.module)
+    result = search(graph, facts, cluster, 32, fixed={"tp": 4, "pp": 1}, use_ilp=True, capabilities=capabilities)
     chosen = next(c for c in result.ranked if c.op_placements)
     plan = build_plan(chosen, graph, facts, cluster)
     layers = [facts.units[i] for i in facts.layer_units]
     solved = solve_unit(layers[0], graph, tp=4, batch=chosen.strategy.microbatch, cluster=cluster,
-                        dtype=facts.precision).param_placements
+                        dtype=facts.precision, tp_rules=capabilities.tp_rules).param_placements
     expected = {name.removeprefix(layers[0].name + "."): value for name, value in solved.items()
                 if name.startswith(layers[0].name + ".")}
     assert expected and any(value == "R" for value in expected.values())  # not Megatron's layout
