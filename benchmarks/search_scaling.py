@@ -18,6 +18,7 @@ from autopar.cluster import load_cluster
 from autopar.graph import trace
 from autopar.models import build_model
 from cost_models.facts import model_facts
+from runtime.tensor_parallel import capabilities_for
 from searcher.search import search
 
 CASES = [
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--only", default="")
     args = parser.parse_args()
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs; ILP {'off' if args.no_ilp else 'on'}")
-    print(f"{'model':<11} {'cluster':<22} {'capture s':>9} {'search s':>8} {'ILP vars':>8}  chosen plan")
+    print(f"{'model':<11} {'cluster':<22} {'capture s':>9} {'search s':>8} {'ILP vars':>8} {'refused':>7}  chosen plan")
     for label, model, overrides, cluster_name, gpus, batch, seq in CASES:
         if args.only and label not in args.only.split(","):
             continue
@@ -46,7 +47,9 @@ def main() -> None:
         config = spec.config
         facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab)
         cluster = load_cluster(cluster_name, gpus=gpus)
-        result = search(graph, facts, cluster, batch, use_ilp=not args.no_ilp)
+        # as `autopar plan` searches: with the runtime's capability table for this model
+        result = search(graph, facts, cluster, batch, use_ilp=not args.no_ilp,
+                        capabilities=capabilities_for(spec.module))
         chosen = result.best or result.ranked[0]
         s = chosen.strategy
         plan = (f"dp={s.dp} tp={s.tp} pp={s.pp} mb={s.microbatch} {s.schedule}"
@@ -54,7 +57,7 @@ def main() -> None:
                 f"{chosen.evaluation.step_time_s:.2f} s/step, MFU {chosen.evaluation.mfu:.1%}"
                 + ("" if chosen.evaluation.fits else " (does not fit)"))
         print(f"{label:<11} {f'{gpus} × {cluster.gpu.name}':<22} {captured:>9.1f} {result.search_s:>8.1f} "
-              f"{result.ilp_variables:>8}  {plan}", flush=True)
+              f"{result.ilp_variables:>8} {result.ilp_refused:>7}  {plan}", flush=True)
 
 
 if __name__ == "__main__":
