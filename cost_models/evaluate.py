@@ -112,6 +112,35 @@ def evaluate(
         reduces = count * collective_time_s("all_reduce", total_bytes / count, tp_layout, cluster) if count else 0.0
         return reduces + sum(collective_time_s(kind, size, tp_layout, cluster) for kind, size in others)
 
+    # What one unit adds to its stage. Layer instances repeat, so it is kept on the unit for the
+    # quick ranking's thousands of calls (not with `recompute_repeats`, which differ per plan).
+    part_key = _interned(("part", gpu.name, dtype, b, s.tp, s.sp, s.recompute, efficiency, cluster.gpus_per_node,
+                          cluster.intra_node, cluster.inter_node))
+
+    def unit_part(unit: Unit) -> tuple[float, ...]:
+        if recompute_repeats is None and part_key in unit.memo:
+            return unit.memo[part_key]
+        t = timed(unit)
+        forward_comm = reduce_time(t.forward_reduce_bytes, t.forward_reduces, t.forward_collectives)
+        backward_comm = reduce_time(t.backward_reduce_bytes, t.backward_reduces, t.backward_collectives)
+        full = unit_activation_bytes(unit, b, s.tp, s.sp, "none")
+        recompute_extra = largest_full_layer = 0.0
+        if unit.layer_type is not None and s.recompute == "full":
+            repeated = [] if s.tp == 1 else recomputed_reductions(unit, b, s.sp) if recompute_repeats is None \
+                else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())]
+            recompute_extra = t.forward_s + sum(times * collective_time_s(kind, size, tp_layout, cluster)
+                                                for kind, size, times in repeated)
+            largest_full_layer = full
+        elif unit.layer_type is not None and s.recompute == "selective":
+            recompute_extra = t.forward_vector_s
+            largest_full_layer = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective")
+        policy = s.recompute if unit.layer_type is not None else "none"
+        part = (t.forward_s, t.backward_s, forward_comm, backward_comm, recompute_extra, largest_full_layer,
+                unit_activation_bytes(unit, b, s.tp, s.sp, policy), unit.params_on_device(s.tp))
+        if recompute_repeats is None:
+            unit.memo[part_key] = part
+        return part
+
     stage_costs: list[StageCost] = []
     compute_parts: list[tuple[float, float, float]] = []  # (compute, recompute, tp comm) per micro-batch
     rank_params = [0.0] * s.pp
@@ -124,25 +153,15 @@ def evaluate(
         recompute_extra = 0.0
         largest_full_layer = 0.0
         for unit in units:
-            t = timed(unit)
-            unit_forward_comm = reduce_time(t.forward_reduce_bytes, t.forward_reduces, t.forward_collectives)
-            forward += t.forward_s
-            backward += t.backward_s
+            (unit_forward, unit_backward, unit_forward_comm, unit_backward_comm, unit_recompute, unit_full,
+             unit_activations, on_device) = unit_part(unit)
+            forward += unit_forward
+            backward += unit_backward
             forward_comm += unit_forward_comm
-            backward_comm += reduce_time(t.backward_reduce_bytes, t.backward_reduces, t.backward_collectives)
-            full = unit_activation_bytes(unit, b, s.tp, s.sp, "none")
-            if unit.layer_type is not None and s.recompute == "full":
-                repeated = [] if s.tp == 1 else recomputed_reductions(unit, b, s.sp) if recompute_repeats is None \
-                    else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())]
-                recompute_extra += t.forward_s + sum(times * collective_time_s(kind, size, tp_layout, cluster)
-                                                     for kind, size, times in repeated)
-                largest_full_layer = max(largest_full_layer, full)
-            elif unit.layer_type is not None and s.recompute == "selective":
-                recompute_extra += t.forward_vector_s
-                largest_full_layer = max(largest_full_layer, full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective"))
-            policy = s.recompute if unit.layer_type is not None else "none"
-            activations += unit_activation_bytes(unit, b, s.tp, s.sp, policy)
-            on_device = unit.params_on_device(s.tp)
+            backward_comm += unit_backward_comm
+            recompute_extra += unit_recompute
+            largest_full_layer = max(largest_full_layer, unit_full)
+            activations += unit_activations
             rank_params[rank] += on_device
             rank_largest_unit[rank] = max(rank_largest_unit[rank], on_device)
         if vocab and s.tp > 1 and index == len(stages_units) - 1:
@@ -177,6 +196,7 @@ def evaluate(
     )
 
     # Data-parallel gradient sync after the last micro-batch, and the optimizer step.
+    rank_stages = [range(rank, len(stage_costs), s.pp) for rank in range(s.pp)]  # virtual stage i runs on i % pp
     rank_finish = []
     dp_exposed = []
     optimizer = []
@@ -185,12 +205,12 @@ def evaluate(
         exposed = 0.0
         if s.dp > 1 and s.zero < 3:
             reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce", grad_bytes, dp_layout, cluster)
-            window = sum(c.backward_s for c in stage_costs if c.rank == rank)
+            window = sum(stage_costs[i].backward_s for i in rank_stages[rank])
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
             exposed = max(reduce - window, reduce / buckets) if overlap_grad_sync else reduce
             if s.zero >= 1:  # updated weight shards are gathered after the step: nothing to hide it behind
                 exposed += collective_time_s("all_gather", rank_params[rank] * per.weight, dp_layout, cluster)
-        rank_units = [u for c, units in zip(stage_costs, stages_units) if c.rank == rank for u in units]
+        rank_units = [u for i in rank_stages[rank] for u in stages_units[i]]
         exposed += sum(calls * collective_time_s("all_reduce", size, tp_layout, cluster)
                        for size, calls in sequence_parallel_gradient_reductions(rank_units, s))
         if tied_ranks[rank]["summed"]:  # as the ledger sends it: after backward, nothing to hide behind
@@ -209,7 +229,7 @@ def evaluate(
             params_on_device=rank_params[rank], largest_unit_params=rank_largest_unit[rank],
             precision=facts.precision, zero=s.zero, dp=s.dp,
             activation_bytes=pipe.peak_in_flight[rank]
-            + max(c.transient_bytes for c in stage_costs if c.rank == rank),
+            + max(stage_costs[i].transient_bytes for i in rank_stages[rank]),
         )
         for rank in range(s.pp)
     )
@@ -220,10 +240,10 @@ def evaluate(
     model_flops = facts.flops_per_sample * global_batch  # no recompute
     world = s.dp * s.tp * s.pp
     tflops_per_gpu = model_flops / step_time / world / 1e12
-    critical_stages = [i for i, c in enumerate(stage_costs) if c.rank == critical]
+    critical_stages = rank_stages[critical]
     m = s.num_microbatches
     rank_compute = tuple(
-        m * sum(compute_parts[i][0] + compute_parts[i][1] for i, c in enumerate(stage_costs) if c.rank == rank)
+        m * sum(compute_parts[i][0] + compute_parts[i][1] for i in rank_stages[rank])
         + optimizer[rank] for rank in range(s.pp))
     compute = m * sum(compute_parts[i][0] for i in critical_stages)
     recompute = m * sum(compute_parts[i][1] for i in critical_stages)
@@ -243,6 +263,14 @@ def evaluate(
         breakdown=breakdown, stages=tuple(stage_costs), pipeline=pipe,
         capacity_bytes=capacity, rank_compute_s=rank_compute,
     )
+
+
+_KEYS: dict[tuple, tuple[str, int]] = {}
+
+
+def _interned(key: tuple) -> tuple[str, int]:
+    """A cheap stand-in for a memo key whose parts (pydantic links, dataclasses) hash slowly."""
+    return _KEYS.setdefault(key, ("interned", len(_KEYS)))
 
 
 def partition(facts: ModelFacts, stages: int) -> list[list[Unit]]:

@@ -57,11 +57,20 @@ def partition(
         prefix_state.append(prefix_state[-1] + cost.state_bytes)
         prefix_activation.append(prefix_activation[-1] + cost.activation_bytes)
 
+    # largest_transient[i][j - i - 1]: the largest transient of units [i, j), built once (O(n²), n units)
+    largest_transient = []
+    for start in range(n):
+        running, row = 0.0, []
+        for cost in costs[start:]:
+            running = max(running, cost.transient_bytes)
+            row.append(running)
+        largest_transient.append(row)
+
     def fits(stage: int, start: int, end: int) -> bool:
         if memory_capacity_bytes is None:
             return True
         held = in_flight(stage, stages, num_microbatches, schedule)
-        transient = max(c.transient_bytes for c in costs[start:end])
+        transient = largest_transient[start][end - start - 1]
         total = (prefix_state[end] - prefix_state[start]
                  + held * (prefix_activation[end] - prefix_activation[start]) + transient)
         return total <= memory_capacity_bytes
