@@ -293,3 +293,23 @@ def test_placement_check_names_what_the_runtime_cannot_chain():
                   "layers.0.mlp.fc2.weight": "S(1)"}) is None
     assert "only Linear and Embedding" in check_tp_placements(module, {"layers.0.ln1.weight": "S(0)"}, sp=False)
     assert "head" in check({"embed.weight": "S(1)"})  # tied to the head: a row-parallel head fails at its first step
+
+
+def test_world2_plan_the_ilp_chose_under_the_runtime_rules_trains_like_one_process():
+    """Wide enough that the ILP (restricted to what the runtime runs) shards the blocks but keeps the
+    embedding replicated where Megatron's propagation would split it over the vocabulary: that plan,
+    as searched, trains like one process and sends what its ledger lists."""
+    from runtime.tensor_parallel import tp_placement
+
+    overrides = dict(layers=2, hidden=256, heads=4, vocab=512, seq_len=128)
+    strategy = dict(dp=1, tp=2, pp=1, sp=False, microbatch=8)
+    plan = make_plan("gpt", overrides, strategy, 2, GLOBAL_BATCH, use_ilp=True)
+    megatron = make_plan("gpt", overrides, strategy, 2, GLOBAL_BATCH)
+    assert plan.op_placements and not megatron.op_placements  # the ILP's plan won; the other is Megatron's
+    differing = {name for name, text in plan.param_placements.items()
+                 if tp_placement(text) != tp_placement(megatron.param_placements[name])}
+    assert differing, "the ILP's plan is Megatron's layout"
+    assert tp_placement(plan.param_placements["layers.0.mlp.fc2.weight"]) == "S(1)"  # blocks still sharded
+    data = batches(overrides["vocab"], GLOBAL_BATCH, overrides["seq_len"], 3)
+    (ranks,) = run_plans(2, [dict(plan=plan.to_json(), model="gpt", overrides=overrides, data=data)])
+    _check(strategy, plan, ranks, *reference_run("gpt", overrides, data))
