@@ -85,6 +85,7 @@ def search(
     started = time.perf_counter()
     fixed = dict(fixed or {})
     layers = layers if layers is not None else max(len(facts.layer_units), 1)
+    capabilities = _megatron_checked(capabilities, graph, facts)
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
                                                efficiency=efficiency, supports=capabilities.supports)
     quick.sort(key=_rank_key)
@@ -99,6 +100,21 @@ def search(
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,
         ilp_solve_s=refiner.ilp_solve_s, ilp_refused=refiner.ilp_refused,
     )
+
+
+def _megatron_checked(capabilities: Capabilities, graph: OpGraph, facts: ModelFacts) -> Capabilities:
+    """Every tp > 1 candidate is ranked and refined as Megatron's layout (the ILP only adds
+    alternatives to it), so a model whose Megatron layout the runtime refuses gets no tp > 1 plan
+    (e.g. each Linear wrapped in a module of its own: no block pairs a column- with a row-parallel
+    one). The layout is the same for every tp > 1."""
+    check = capabilities.check_placements
+    if check is None or capabilities.tensor_parallel_refusal is not None:
+        return capabilities
+    reason = check(planned_tp_placements({}, graph, facts, 2))
+    if reason is None:
+        return capabilities
+    return dataclasses.replace(capabilities, tensor_parallel_refusal=(
+        f"the runtime cannot run this model's Megatron-style tensor parallelism ({reason})"))
 
 
 def _rank_key(evaluation: Evaluation) -> tuple:

@@ -204,3 +204,57 @@ def test_a_tied_embedding_and_head_are_costed_and_planned_with_one_placement(sma
         assert [sharded for owner, _, sharded in post.borrowed if owner == pre.name] == [placement != "R"]
         checked += 1
     assert checked
+
+
+def test_a_megatron_layout_the_runtime_refuses_is_never_planned():
+    """Each Linear wrapped in a module of its own: Megatron's propagation would split the MLP column-
+    then row-parallel, but no module holds both, so the runtime cannot chain them: no tp > 1 plan."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from runtime.tensor_parallel import capabilities_for
+
+    class Wrapped(nn.Module):
+        def __init__(self, fan_in, fan_out):
+            super().__init__()
+            self.lin = nn.Linear(fan_in, fan_out)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class Block(nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.norm, self.up, self.down = nn.LayerNorm(hidden), Wrapped(hidden, 4 * hidden), Wrapped(4 * hidden, hidden)
+
+        def forward(self, x):
+            return x + self.down(F.gelu(self.up(self.norm(x))))
+
+    class Model(nn.Module):
+        def __init__(self, vocab=512, hidden=256):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, hidden)
+            self.layers = nn.ModuleList([Block(hidden) for _ in range(2)])
+            self.head = nn.Linear(hidden, vocab)
+
+        def forward(self, idx):
+            x = self.embed(idx)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    def loss_fn(logits, idx):
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+
+    model = Model()
+    graph = trace(model, (torch.randint(0, 512, (1, 128)),), loss_fn=loss_fn, precision="fp32", name="wrapped",
+                  seq_len=128)
+    facts = model_facts(graph, heads=4, vocab=512)
+    cluster = load_cluster("dgx-h100", gpus=2)
+    capabilities = capabilities_for(model)
+    with pytest.raises(AutoparError, match="cannot run this model's Megatron-style tensor parallelism"):
+        search(graph, facts, cluster, 8, fixed={"tp": 2, "dp": 1, "pp": 1}, capabilities=capabilities)
+    result = search(graph, facts, cluster, 8, capabilities=capabilities)
+    assert all(candidate.strategy.tp == 1 for candidate in result.ranked)
+    assert any("Megatron-style" in reason for reason in result.rejected)
