@@ -21,7 +21,6 @@ from autopar.plan_report import (compare, coordinates, group_ranks, mesh_summary
 from autopar.report_html import SECTION_IDS, append_measured_section, render_html
 from autopar.report_svg import DETAIL_NODES, mesh_svg, timeline_svg
 from autopar.report_timeline import makespan_s, timeline
-from autopar.report_trace import trace_events
 from cost_models.pipeline import estimate, rank_order
 
 ROOT = Path(__file__).resolve().parent.parent
