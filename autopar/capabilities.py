@@ -42,6 +42,7 @@ class Capabilities:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: bool = True
     max_vp: int = 8
+    max_zero_with_pipeline: int = 1  # see `supports`
     # Whether the runtime realizes per-parameter tp placements (of the model being planned): given
     # {parameter: "R" | "S(d)"}, None or the reason it cannot. The intra-op ILP's solutions are kept
     # only when this accepts them; None means no model is at hand and the ILP's placements are
@@ -71,6 +72,13 @@ class Capabilities:
             return self.tensor_parallel_refusal
         if strategy.pp > 1 and self.pipeline_refusal:
             return self.pipeline_refusal
+        if strategy.pp > 1 and strategy.dp > 1 and strategy.zero > self.max_zero_with_pipeline:
+            # torch.distributed.pipelining drives FSDP2 itself: it keeps gradients unsharded and weights
+            # gathered between micro-batches and reduces once after the last one, which is ZeRO 1's
+            # traffic and memory, not what ZeRO 2/3 are costed as.
+            return (f"the runtime's pipeline schedules run ZeRO {strategy.zero} as ZeRO 1 (gradients reduced once "
+                    f"per step, weights kept gathered between micro-batches): use zero ≤ "
+                    f"{self.max_zero_with_pipeline} with pp > 1")
         return None
 
 

@@ -121,7 +121,7 @@ def test_world4_llama_tensor_and_pipeline_parallel():
 
 WORLD8_GPT = [
     dict(dp=2, tp=2, pp=2, schedule="1f1b", sp=True, zero=1, microbatch=1),
-    dict(dp=2, tp=2, pp=2, schedule="interleaved", vp=2, sp=False, zero=3, microbatch=1, recompute="full"),
+    dict(dp=2, tp=2, pp=2, schedule="interleaved", vp=2, sp=False, zero=1, microbatch=1, recompute="full"),
 ]
 
 
