@@ -101,40 +101,37 @@ def _combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return measured
 
 
+def _is_collective(event, cuda: bool) -> bool:
+    """NCCL kernels on the GPU, gloo's work on the CPU."""
+    if cuda:
+        return "nccl" in event.name.lower() and _on_gpu(event)
+    return event.name.startswith("gloo:")
+
+
+def _on_gpu(event) -> bool:
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
+def _interval(event) -> tuple[float, float]:
+    begin = event.time_range.start
+    return begin, begin + event.time_range.elapsed_us()
+
+
 def collective_time_s(events, cuda: bool) -> float:
-    """Wall time covered by collectives: NCCL kernels on the GPU, gloo's work on the CPU. Overlapping
-    events are counted once (the union of their intervals)."""
-    intervals = []
-    for event in events:
-        name = event.name
-        if cuda:
-            wanted = "nccl" in name.lower() and getattr(event, "device_type", None) is not None \
-                and str(event.device_type).endswith("CUDA")
-        else:
-            wanted = name.startswith("gloo:")
-        if wanted:
-            begin = event.time_range.start
-            intervals.append((begin, begin + event.time_range.elapsed_us()))
-    return union_length_us(intervals) / 1e6
+    """Wall time covered by collectives. Overlapping events are counted once (the union of their intervals)."""
+    return union_length_us([_interval(e) for e in events if _is_collective(e, cuda)]) / 1e6
 
 
 def compute_time_s(events, cuda: bool) -> float:
     """Wall time covered by computation: GPU kernels other than NCCL's on CUDA; on the CPU the
     top-level operators (`aten::`), whose children lie inside them. Collectives are not compute,
     and on the CPU time inside a collective's interval is taken out (gloo copies with aten ops)."""
-    compute, collectives = [], []
-    for event in events:
-        name = event.name
-        begin = event.time_range.start
-        interval = (begin, begin + event.time_range.elapsed_us())
-        on_gpu = str(getattr(event, "device_type", "")).endswith("CUDA")
-        if cuda:
-            if on_gpu and "nccl" not in name.lower() and not name.startswith(("Memcpy", "Memset")):
-                compute.append(interval)
-        elif name.startswith("gloo:"):
-            collectives.append(interval)
-        elif name.startswith("aten::"):
-            compute.append(interval)
+    if cuda:
+        compute = [_interval(e) for e in events if _on_gpu(e) and not _is_collective(e, cuda)
+                   and not e.name.startswith(("Memcpy", "Memset"))]
+        return union_length_us(compute) / 1e6
+    compute = [_interval(e) for e in events if e.name.startswith("aten::")]
+    collectives = [_interval(e) for e in events if _is_collective(e, cuda)]
     return (union_length_us(compute) - overlap_length_us(compute, collectives)) / 1e6
 
 
