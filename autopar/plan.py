@@ -101,9 +101,19 @@ class Strategy(_Record):
     num_microbatches: int = Field(ge=1)
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     vp: int = Field(default=1, ge=1)
+    # Per stage (pp·vp, in stage order): how many of its first layers recompute with `recompute`;
+    # the rest keep their activations. None: every layer does. Fewer recomputed layers trade
+    # memory for time layer by layer (Megatron-LM's --recompute-num-layers, per stage here).
+    recompute_layers: tuple[Annotated[int, Field(ge=0)], ...] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Strategy:
+        if self.recompute_layers is not None:
+            if self.recompute == "none":
+                raise ValueError("recompute_layers needs recompute 'selective' or 'full', not 'none'")
+            if len(self.recompute_layers) != self.pp * self.vp:
+                raise ValueError(f"recompute_layers lists {len(self.recompute_layers)} stages but pp x vp = "
+                                 f"{self.pp * self.vp}")
         if self.vp > 1 and self.schedule != "interleaved":
             raise ValueError(f"vp={self.vp} virtual stages need schedule 'interleaved', not '{self.schedule}'")
         if self.sp and self.tp == 1:
@@ -213,6 +223,14 @@ class Plan(_Record):
                         f"{field}[{key}] = {text!r} has {len(parse_placements(text))} placements but a stage's "
                         f"mesh has {len(stage_axes)} axes ({', '.join(stage_axes)}): give one per axis"
                     )
+        counts = self.strategy.recompute_layers
+        if counts is not None:  # what was costed per stage is what the runtime recomputes
+            recomputed = set(self.recompute_modules)
+            for stage, count in zip(self.stages, counts):
+                listed = sum(1 for path in stage.module_paths if path in recomputed)
+                if listed != count:
+                    raise ValueError(f"stage {stage.index} recomputes {listed} of its modules but "
+                                     f"strategy.recompute_layers gives it {count}")
         if self.predicted is not None and len(self.predicted.peak_memory_bytes) != self.strategy.pp:
             raise ValueError(
                 f"predicted.peak_memory_bytes has {len(self.predicted.peak_memory_bytes)} entries; "

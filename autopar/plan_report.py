@@ -19,7 +19,21 @@ GiB = 2**30
 def strategy_dict(evaluation: Evaluation) -> dict[str, Any]:
     s = evaluation.strategy
     return {"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "zero": s.zero, "recompute": s.recompute,
+            "recompute_layers": None if s.recompute_layers is None else list(s.recompute_layers),
             "microbatch": s.microbatch, "num_microbatches": s.num_microbatches, "schedule": s.schedule, "vp": s.vp}
+
+
+def layers_text(counts) -> str:
+    """Per-stage recompute counts as users write them in --strategy: 3/3/2/1."""
+    return "/".join(str(k) for k in counts)
+
+
+def strategy_label(strategy: dict[str, Any]) -> str:
+    keys = ("dp", "tp", "pp", "microbatch", "schedule", "vp", "zero", "recompute", "sp")
+    label = " ".join(f"{k}={strategy[k]}" for k in keys)
+    if strategy.get("recompute_layers") is not None:
+        label += f" recompute_layers={layers_text(strategy['recompute_layers'])}"
+    return label
 
 
 def evaluation_summary(evaluation: Evaluation) -> dict[str, Any]:
@@ -64,7 +78,7 @@ def plan_summary(result: Any, *, model: str, cluster: Any, global_batch: int, se
         "alternatives": [evaluation_summary(c.evaluation) for c in result.ranked if c is not chosen],
         "why_not": [{"label": w.label, "strategy": None if w.strategy is None else
                      {k: getattr(w.strategy, k) for k in ("dp", "tp", "pp", "sp", "zero", "recompute", "microbatch",
-                                                          "num_microbatches", "schedule", "vp")},
+                                                          "num_microbatches", "schedule", "vp", "recompute_layers")},
                      "reason": w.reason} for w in result.why_not],
     })
     summary["mesh"] = mesh_summary(summary["strategy"], cluster)
@@ -202,7 +216,8 @@ def render(summary: dict[str, Any]) -> str:
         f"cluster {cluster['name']}: {cluster['num_nodes']} node(s) × {cluster['gpus_per_node']} {cluster['gpu']} "
         f"= {cluster['world_size']} GPUs",
         "",
-        "strategy  " + "  ".join(f"{k}={v}" for k, v in s.items())
+        "strategy  " + "  ".join(f"{k}={layers_text(v) if k == 'recompute_layers' else v}" for k, v in s.items()
+                                 if v is not None)
         + ("" if not summary["fixed"] else f"   (fixed: {', '.join(summary['fixed'])}; the rest chosen by the cost model)"),
         "",
         f"step time        {p['step_time_s']:.3f} s",
@@ -233,8 +248,7 @@ def render(summary: dict[str, Any]) -> str:
         lines += ["", "runners-up"]
         for alt in summary["alternatives"]:
             a = alt["strategy"]
-            label = " ".join(f"{k}={a[k]}" for k in ("dp", "tp", "pp", "microbatch", "schedule", "vp", "zero",
-                                                     "recompute", "sp"))
+            label = strategy_label(a)
             ratio = alt["predicted"]["step_time_s"] / p["step_time_s"]
             lines.append(f"  {label}: {ratio:.2f}× step time" + ("" if alt["fits"] else ", does not fit"))
     if summary.get("why_not"):
@@ -243,8 +257,7 @@ def render(summary: dict[str, Any]) -> str:
             label = row["label"]
             if row["strategy"]:
                 a = row["strategy"]
-                label += " [" + " ".join(f"{k}={a[k]}" for k in ("dp", "tp", "pp", "microbatch", "schedule", "vp",
-                                                                "zero", "recompute", "sp")) + "]"
+                label += f" [{strategy_label(a)}]"
             lines.append(f"  {label}: {row['reason']}")
     search = summary.get("search")
     if search:

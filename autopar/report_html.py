@@ -20,7 +20,8 @@ from autopar.plan_report import GiB, format_value
 from autopar.report_svg import breakdown_svg, group_rows, memory_svg, mesh_svg, timeline_svg
 from autopar.report_timeline import idle_s, makespan_s, timeline
 
-STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "microbatch", "num_microbatches", "schedule", "vp")
+STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "num_microbatches",
+                 "schedule", "vp")
 MEASURED_START, MEASURED_END = "<!-- measured:start -->", "<!-- measured:end -->"
 SECTION_IDS = ("summary", "mesh", "stages", "timeline", "memory", "breakdown", "alternatives", "sharding")
 
@@ -47,7 +48,8 @@ def _table(headers: list[str], rows: list[list[str]], ident: str = "", numeric: 
 
 
 def _label(strategy: dict[str, Any]) -> str:
-    return " ".join(f"{k}={strategy[k]}" for k in STRATEGY_KEYS if k in strategy)
+    return " ".join(f"{k}={'/'.join(map(str, strategy[k])) if k == 'recompute_layers' else strategy[k]}"
+                    for k in STRATEGY_KEYS if strategy.get(k) is not None)
 
 
 def _summary_section(summary: dict[str, Any]) -> str:

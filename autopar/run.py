@@ -208,6 +208,8 @@ def _search(spec, cluster, fixed: dict[str, Any], global_batch: int, seq_len: in
 def _strategy_text(s) -> str:
     text = f"dp={s.dp} tp={s.tp} pp={s.pp} microbatch={s.microbatch} x {s.num_microbatches} zero={s.zero} " \
            f"recompute={s.recompute}"
+    if s.recompute_layers is not None:
+        text += f" recompute_layers={'/'.join(str(k) for k in s.recompute_layers)}"
     if s.tp > 1:
         text += f" sp={str(s.sp).lower()}"
     if s.pp > 1:

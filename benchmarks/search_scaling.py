@@ -53,7 +53,9 @@ def main() -> None:
         chosen = result.best or result.ranked[0]
         s = chosen.strategy
         plan = (f"dp={s.dp} tp={s.tp} pp={s.pp} mb={s.microbatch} {s.schedule}"
-                + (f" v={s.vp}" if s.vp > 1 else "") + f" zero={s.zero} rc={s.recompute} sp={s.sp}: "
+                + (f" v={s.vp}" if s.vp > 1 else "") + f" zero={s.zero} rc={s.recompute}"
+            + ("" if s.recompute_layers is None else "[" + "/".join(map(str, s.recompute_layers)) + "]")
+            + f" sp={s.sp}: "
                 f"{chosen.evaluation.step_time_s:.2f} s/step, MFU {chosen.evaluation.mfu:.1%}"
                 + ("" if chosen.evaluation.fits else " (does not fit)"))
         print(f"{label:<11} {f'{gpus} × {cluster.gpu.name}':<22} {captured:>9.1f} {result.search_s:>8.1f} "

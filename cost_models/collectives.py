@@ -8,10 +8,10 @@ It follows the runtime's algorithm, which the evaluator costs:
   pipeline's last stage gathers logits sharded over the vocabulary, one all-gather per micro-batch;
   with the loss on vocabulary shards (pp=1), its three small reductions (max, sum of
   exponentials, target logit) per micro-batch;
-- tp, full recompute: a layer's forward reductions again, but for the one producing the layer's
-  output (its backward needs nothing after it, so recomputation stops before it); under sequence
-  parallelism that output's all-gather into the next block is still repeated. Selective
-  recompute saves collectives' outputs and repeats none;
+- tp, full recompute (of the layers the strategy recomputes): a layer's forward reductions
+  again, but for the one producing the layer's output (its backward needs nothing after it, so
+  recomputation stops before it); under sequence parallelism that output's all-gather into the
+  next block is still repeated. Selective recompute saves collectives' outputs and repeats none;
 - dp, ZeRO 0: the gradients all-reduced once per step in buckets; ZeRO 1-3 (FSDP, one unit per
   layer plus one for the rest of the stage): weights all-gathered at the first forward (ZeRO 1/2)
   or every forward and backward (ZeRO 3), gradients reduce-scattered once per step (ZeRO 1) or per
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from autopar.graph.ir import OpGraph, OpNode
 from autopar.plan import Strategy
 from cost_models.facts import OpFacts, Unit
+from cost_models.recompute import stage_policies
 
 GRADIENT_REDUCE_BYTES = 4  # fp32 gradient reduction, whatever the compute precision
 BUCKET_BYTES = 25 * 2**20  # the runtime's zero-0 gradient bucket
@@ -77,7 +78,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
     for index in mine:
         units = stages[index]
         if s.tp > 1:
-            for unit in units:
+            for unit, policy in zip(units, stage_policies(units, s, index)):
                 for op in unit.ops:
                     if op.reduce_bytes:
                         size = op.reduce_bytes_for(b)
@@ -88,7 +89,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                             add("tp", "all_reduce", size, m)
                     for kind, size in op.collectives:
                         add("tp", kind, size * b, m)
-                if s.recompute == "full" and unit.layer_type is not None:
+                if policy == "full":
                     repeats = (recomputed_reductions(unit, b, s.sp) if recompute_repeats is None
                                else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())])
                     for kind, size, times in repeats:

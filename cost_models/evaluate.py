@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from autopar.cluster import ClusterSpec
 from autopar.plan import Strategy
@@ -25,8 +26,11 @@ from cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reduction
 from cost_models.communication import collective_time_s, group_layout
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, UnitTime, unit_time
 from cost_models.facts import ModelFacts, Unit
-from cost_models.memory import DDP_BUCKET_BYTES, MemoryBreakdown, device_memory, state_bytes_per_param, usable_bytes
+from cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, device_memory,
+                                state_bytes_per_param, usable_bytes)
 from cost_models.pipeline import PipelineResult, estimate, simulate
+from cost_models.recompute import fewest_recomputed_layers, one_more_layer, stage_policies
+from cost_models.strategy import even_stage_layers
 
 # Adam step traffic per parameter: read fp32 master, two moments and the gradient, write master,
 # moments and the low-precision weight copy (about 28 bytes either way).
@@ -112,12 +116,15 @@ def evaluate(
         reduces = count * collective_time_s("all_reduce", total_bytes / count, tp_layout, cluster) if count else 0.0
         return reduces + sum(collective_time_s(kind, size, tp_layout, cluster) for kind, size in others)
 
-    # What one unit adds to its stage. Layer instances repeat, so it is kept on the unit for the
-    # quick ranking's thousands of calls (not with `recompute_repeats`, which differ per plan).
-    part_key = _interned(("part", gpu.name, dtype, b, s.tp, s.sp, s.recompute, efficiency, cluster.gpus_per_node,
-                          cluster.intra_node, cluster.inter_node))
+    # What one unit adds to its stage under a recompute policy. Layer instances repeat, so it is
+    # kept on the unit for the quick ranking's thousands of calls (not with `recompute_repeats`,
+    # which differ per plan).
+    part_keys = {policy: _interned(("part", gpu.name, dtype, b, s.tp, s.sp, policy, efficiency,
+                                    cluster.gpus_per_node, cluster.intra_node, cluster.inter_node))
+                 for policy in {"none", s.recompute}}
 
-    def unit_part(unit: Unit) -> tuple[float, ...]:
+    def unit_part(unit: Unit, policy: str) -> tuple[float, ...]:
+        part_key = part_keys[policy]
         if recompute_repeats is None and part_key in unit.memo:
             return unit.memo[part_key]
         t = timed(unit)
@@ -125,16 +132,15 @@ def evaluate(
         backward_comm = reduce_time(t.backward_reduce_bytes, t.backward_reduces, t.backward_collectives)
         full = unit_activation_bytes(unit, b, s.tp, s.sp, "none")
         recompute_extra = largest_full_layer = 0.0
-        if unit.layer_type is not None and s.recompute == "full":
+        if policy == "full":
             repeated = [] if s.tp == 1 else recomputed_reductions(unit, b, s.sp) if recompute_repeats is None \
                 else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())]
             recompute_extra = t.forward_s + sum(times * collective_time_s(kind, size, tp_layout, cluster)
                                                 for kind, size, times in repeated)
             largest_full_layer = full
-        elif unit.layer_type is not None and s.recompute == "selective":
+        elif policy == "selective":
             recompute_extra = t.forward_vector_s
             largest_full_layer = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective")
-        policy = s.recompute if unit.layer_type is not None else "none"
         part = (t.forward_s, t.backward_s, forward_comm, backward_comm, recompute_extra, largest_full_layer,
                 unit_activation_bytes(unit, b, s.tp, s.sp, policy), unit.params_on_device(s.tp))
         if recompute_repeats is None:
@@ -152,9 +158,9 @@ def evaluate(
         activations = 0.0
         recompute_extra = 0.0
         largest_full_layer = 0.0
-        for unit in units:
+        for unit, policy in zip(units, stage_policies(units, s, index)):
             (unit_forward, unit_backward, unit_forward_comm, unit_backward_comm, unit_recompute, unit_full,
-             unit_activations, on_device) = unit_part(unit)
+             unit_activations, on_device) = unit_part(unit, policy)
             forward += unit_forward
             backward += unit_backward
             forward_comm += unit_forward_comm
@@ -265,6 +271,42 @@ def evaluate(
     )
 
 
+def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit]],
+                                  rerun: Callable[[Strategy], Evaluation]) -> Evaluation:
+    """`evaluation` (every layer recomputing) redone with each stage recomputing only the layers
+    its rank needs to fit, when that is faster. `rerun(strategy)` evaluates a strategy on the
+    same stages. The counts come from the memory model (`fewest_recomputed_layers`); a rank the
+    re-evaluation still finds over capacity gets one more layer per chunk, a few times."""
+    s = evaluation.strategy
+    if s.recompute == "none" or s.recompute_layers is not None or not evaluation.fits:
+        return evaluation
+    b, tp, sp = s.microbatch, s.tp, s.sp
+
+    def keeps(unit: Unit) -> float:
+        return unit_activation_bytes(unit, b, tp, sp, "none") - unit_activation_bytes(unit, b, tp, sp, s.recompute)
+
+    def transient(unit: Unit) -> float:
+        full = unit_activation_bytes(unit, b, tp, sp, "none")
+        return full if s.recompute == "full" else keeps(unit)
+
+    counts = fewest_recomputed_layers(
+        strategy=s, stages=stages, total_bytes=[m.total_bytes for m in evaluation.memory],
+        activation_bytes=[m.activations for m in evaluation.memory],
+        stage_activation_bytes=[c.activation_bytes for c in evaluation.stages],
+        margin_ratio=1 + FRAGMENTATION_MARGIN, capacity_bytes=evaluation.capacity_bytes,
+        keeps_bytes=keeps, transient_bytes=transient)
+    layers = [sum(1 for u in units if u.layer_type is not None) for units in stages]
+    for _ in range(4):
+        if counts is None or list(counts) == layers or not any(counts):
+            return evaluation  # none at all is the strategy without recompute, evaluated on its own
+        trial = rerun(s.model_copy(update={"recompute_layers": counts}))
+        if trial.fits:
+            return trial if trial.step_time_s <= evaluation.step_time_s else evaluation
+        full_ranks = {r for r, m in enumerate(trial.memory) if m.total_bytes > trial.capacity_bytes}
+        counts = one_more_layer(counts, stages, s.pp, full_ranks)
+    return evaluation
+
+
 _KEYS: dict[tuple, tuple[str, int]] = {}
 
 
@@ -278,12 +320,7 @@ def partition(facts: ModelFacts, stages: int) -> list[list[Unit]]:
     first layer join stage 0, those after a layer join that layer's stage."""
     units = list(facts.units)
     layer_positions = [i for i, u in enumerate(units) if u.layer_type is not None]
-    count = len(layer_positions)
-    base, extra = divmod(count, stages)
-    sizes = [base] * stages
-    middle = list(range(1, stages - 1)) or list(range(stages))
-    for k in range(extra):
-        sizes[middle[k % len(middle)]] += 1
+    sizes = even_stage_layers(len(layer_positions), stages)
     stage_of_layer: dict[int, int] = {}
     position = 0
     for stage, size in enumerate(sizes):

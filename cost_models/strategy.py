@@ -7,7 +7,7 @@ from typing import Any
 from autopar.errors import AutoparError
 from autopar.plan import Strategy
 
-STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "microbatch", "schedule", "vp")
+STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "schedule", "vp")
 _RESERVED = {"cp": "context parallel (cp) is reserved for a later release: leave it out"}
 _CHOICES = {"recompute": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved")}
 
@@ -37,6 +37,8 @@ def _value(key: str, value: str) -> Any:
         if value.lower() not in ("true", "false", "1", "0", "on", "off"):
             raise AutoparError(f"--strategy sp={value}: use sp=true or sp=false")
         return value.lower() in ("true", "1", "on")
+    if key == "recompute_layers":
+        return _layer_counts(value)
     if key in _CHOICES:
         if value not in _CHOICES[key]:
             raise AutoparError(f"--strategy {key}={value}: use one of {', '.join(_CHOICES[key])}")
@@ -49,6 +51,29 @@ def _value(key: str, value: str) -> Any:
     if number < low or (key == "zero" and number > 3):
         raise AutoparError(f"--strategy {key}={value}: {key} must be {'0 to 3' if key == 'zero' else 'at least 1'}")
     return number
+
+
+def _layer_counts(value: str) -> int | tuple[int, ...]:
+    """`3`: the first 3 layers of every stage recompute; `3/3/2/1`: a count per stage."""
+    parts = value.split("/")
+    try:
+        counts = tuple(int(part) for part in parts)
+    except ValueError:
+        counts = ()
+    if not counts or any(k < 0 for k in counts):
+        raise AutoparError(f"--strategy recompute_layers={value}: give a whole number of layers per stage (e.g. 2), "
+                           f"or one per stage separated by / (e.g. 3/3/2/1)")
+    return counts[0] if len(parts) == 1 else counts
+
+
+def even_stage_layers(layers: int, stages: int) -> list[int]:
+    """Layers per stage on the even split (extra layers to the middle stages): `evaluate.partition`'s rule."""
+    base, extra = divmod(layers, stages)
+    sizes = [base] * stages
+    middle = list(range(1, stages - 1)) or list(range(stages))
+    for k in range(extra):
+        sizes[middle[k % len(middle)]] += 1
+    return sizes
 
 
 def check_strategy(
@@ -77,5 +102,11 @@ def check_strategy(
     if s.schedule in ("1f1b", "interleaved") and s.pp > 1 and s.num_microbatches < s.pp:
         raise AutoparError(f"{s.schedule} needs at least pp={s.pp} micro-batches, got {s.num_microbatches}: "
                            f"raise the global batch or lower the micro-batch size")
+    if s.recompute_layers is not None and s.pp * s.vp <= layers:
+        sizes = even_stage_layers(layers, s.pp * s.vp)
+        over = [i for i, (k, size) in enumerate(zip(s.recompute_layers, sizes)) if k > size]
+        if over:
+            raise AutoparError(f"recompute_layers asks stage {over[0]} to recompute {s.recompute_layers[over[0]]} "
+                               f"layers but it holds {sizes[over[0]]}: give at most {'/'.join(map(str, sizes))}")
     if s.schedule == "interleaved" and s.num_microbatches % s.pp:
         raise AutoparError(f"interleaved needs the micro-batch count ({s.num_microbatches}) divisible by pp={s.pp}")

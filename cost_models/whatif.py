@@ -15,7 +15,7 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
 from autopar.plan import Strategy
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
-from cost_models.evaluate import Evaluation, evaluate
+from cost_models.evaluate import Evaluation, evaluate, partition, with_fewest_recomputed_layers
 from cost_models.facts import ModelFacts
 from cost_models.strategy import check_strategy
 
@@ -57,9 +57,13 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
                 continue  # nothing to shard over
             vps = choices("vp", VP_CHOICES if schedule == "interleaved" else (1,))
             for vp in vps:
+                counts = fixed.get("recompute_layers")
+                if isinstance(counts, int):  # the same count on every stage
+                    counts = (counts,) * (pp * vp)
                 try:
                     yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
-                                   num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp)
+                                   num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
+                                   recompute_layers=counts)
                 except ValueError:
                     continue
 
@@ -90,8 +94,8 @@ def quick_evaluations(
         if reason is not None:
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
-        quick.append(evaluate(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
-                              vocab=head_vocab(facts, strategy), overlap_grad_sync=overlap_grad_sync))
+        quick.append(evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
+                                     overlap_grad_sync=overlap_grad_sync))
     if not quick:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
@@ -110,12 +114,33 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
                                                efficiency=efficiency, overlap_grad_sync=overlap_grad_sync)
     quick.sort(key=lambda e: (not e.fits, e.step_time_s))
-    ranked = [evaluate(facts, cluster, e.strategy, global_batch, exact=True, efficiency=efficiency,
-                       vocab=head_vocab(facts, e.strategy), overlap_grad_sync=overlap_grad_sync)
+    ranked = [evaluate_fitted(facts, cluster, _all_layers(e.strategy, fixed), global_batch, exact=True,
+                              efficiency=efficiency, overlap_grad_sync=overlap_grad_sync)
               for e in quick[:top_k]]
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
     best = ranked[0] if ranked[0].fits else None
     return WhatIf(best=best, ranked=ranked, candidates=count, rejected=rejected)
+
+
+def evaluate_fitted(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, global_batch: int, *,
+                    exact: bool, efficiency: Efficiency = DEFAULT_EFFICIENCY,
+                    overlap_grad_sync: bool = True) -> Evaluation:
+    """`evaluate` on the even layer split, Megatron's head; a strategy that recomputes every layer
+    comes back recomputing only the layers each stage needs to fit (`with_fewest_recomputed_layers`)."""
+    stages = partition(facts, strategy.pp * strategy.vp)
+
+    def run(trial: Strategy) -> Evaluation:
+        return evaluate(facts, cluster, trial, global_batch, exact=exact, efficiency=efficiency, stages=stages,
+                        vocab=head_vocab(facts, trial), overlap_grad_sync=overlap_grad_sync)
+
+    return with_fewest_recomputed_layers(run(strategy), stages, run)
+
+
+def _all_layers(strategy: Strategy, fixed: dict[str, Any]) -> Strategy:
+    """The strategy before its recompute counts were fitted (on an estimate): refitted exactly."""
+    if "recompute_layers" in fixed or strategy.recompute_layers is None:
+        return strategy
+    return strategy.model_copy(update={"recompute_layers": None})
 
 
 def head_vocab(facts: ModelFacts, strategy: Strategy) -> int | None:

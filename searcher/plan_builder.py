@@ -7,6 +7,7 @@ from autopar.graph.ir import OpGraph
 from autopar.plan import CollectiveRecord, MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
 from cost_models.collectives import placed_units, step_collectives
 from cost_models.facts import ModelFacts
+from cost_models.recompute import recomputed_units
 from searcher.search import Candidate, planned_tp_placements
 
 
@@ -32,8 +33,7 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
     dp_part = "S(0)" if s.zero >= 1 and s.dp > 1 else "R"
     tp_placements = planned_tp_placements(candidate.param_placements, graph, facts, s.tp)
     param_placements = {name: dp_part + tp_part for name, tp_part in tp_placements.items()}
-    recompute = [u.name for units in candidate.stages for u in units
-                 if u.layer_type is not None and s.recompute != "none"]
+    recompute = recomputed_units(candidate.stages, s)
     return Plan(
         mesh=[MeshAxis(name="pp", size=s.pp), MeshAxis(name="dp", size=s.dp), MeshAxis(name="tp", size=s.tp)],
         strategy=s,

@@ -26,7 +26,8 @@ from autopar.graph.ir import OpGraph
 from autopar.plan import Strategy
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
 from cost_models.communication import collective_time_s, group_layout
-from cost_models.evaluate import Evaluation, evaluate, partition as even_partition, unit_activation_bytes
+from cost_models.evaluate import (Evaluation, evaluate, partition as even_partition, unit_activation_bytes,
+                                  with_fewest_recomputed_layers)
 from cost_models.collectives import placed_units
 from cost_models.facts import ModelFacts, Unit, model_facts
 from cost_models.memory import state_bytes_per_param, usable_bytes
@@ -121,7 +122,7 @@ def _rank_key(evaluation: Evaluation) -> tuple:
     s = evaluation.strategy
     # Fitting plans first, then speed; ties broken by a fixed order of the knobs (determinism).
     return (not evaluation.fits, round(evaluation.step_time_s, 9), s.pp, s.tp, s.zero, s.microbatch,
-            s.schedule, s.vp, s.recompute, s.sp)
+            s.schedule, s.vp, s.recompute, s.sp, s.recompute_layers or ())
 
 
 class _Refiner:
@@ -226,14 +227,23 @@ class _Refiner:
 
     def _refine_with(self, strategy: Strategy, units, op_placements, param_placements, *, vocab=None,
                      repeats=None) -> Candidate:
+        """Evaluated on the even split and on the DP's partition, each with the fewest recomputed
+        layers that fit it (counts fitted on the quick ranking's estimate are fitted again here)."""
         facts = dataclasses.replace(self.facts, units=tuple(units))
+        if "recompute_layers" not in self.fixed and strategy.recompute_layers is not None:
+            strategy = strategy.model_copy(update={"recompute_layers": None})
+
+        def evaluated(stages: list[list[Unit]]) -> Evaluation:
+            def run(trial: Strategy) -> Evaluation:
+                return evaluate(facts, self.cluster, trial, self.global_batch, efficiency=self.efficiency,
+                                stages=stages, vocab=vocab, recompute_repeats=repeats)
+            return with_fewest_recomputed_layers(run(strategy), stages, run)
+
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
-        even = evaluate(facts, self.cluster, strategy, self.global_batch, efficiency=self.efficiency,
-                        stages=even_stages, vocab=vocab, recompute_repeats=repeats)
+        even = evaluated(even_stages)
         searched = self._partition(facts, strategy)
         if searched is not None and searched != even_stages:
-            evaluation = evaluate(facts, self.cluster, strategy, self.global_batch, efficiency=self.efficiency,
-                                  stages=searched, vocab=vocab, recompute_repeats=repeats)
+            evaluation = evaluated(searched)
             if _rank_key(evaluation) < _rank_key(even):  # the DP balances an estimate: keep what simulates better
                 return Candidate(evaluation, searched, op_placements, param_placements)
         return Candidate(even, even_stages, op_placements, param_placements)
@@ -241,7 +251,7 @@ class _Refiner:
     def _partition(self, facts: ModelFacts, strategy: Strategy) -> list[list[Unit]] | None:
         s = strategy
         stages = s.pp * s.vp
-        if stages == 1:
+        if stages == 1 or s.recompute_layers is not None:  # fixed counts are per stage of the even split
             return None
         per = state_bytes_per_param(facts.precision)
         state = per.weight / (s.dp if s.zero >= 3 else 1) + per.gradient / (s.dp if s.zero >= 2 else 1) \

@@ -197,7 +197,7 @@ def test_plan_json_contract(capsys):
     assert code == 0
     result = json.loads(out)
     assert result["strategy"] == {"dp": 2, "tp": 2, "pp": 2, "sp": False, "zero": 1, "recompute": "full",
-                                  "microbatch": 1, "num_microbatches": 8, "schedule": "1f1b", "vp": 1}
+                                  "recompute_layers": None, "microbatch": 1, "num_microbatches": 8, "schedule": "1f1b", "vp": 1}
     assert result["fits"] is True
     predicted = result["predicted"]
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes"):

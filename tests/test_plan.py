@@ -191,6 +191,8 @@ def test_mesh_size_mismatch(tmp_path):
         (lambda d: d["stages"][0].update(device_ids=[0, 1, 2]), ["stage 0 mesh_shape", "holds 4", "lists 3"]),
         (lambda d: d["predicted"].update(peak_memory_bytes=[1]), ["peak_memory_bytes", "pp=2"]),
         (lambda d: d.update(extra=1), ["extra", "unknown field"]),
+        (lambda d: d["strategy"].update(recompute_layers=[1, 1]), ["stage 0 recomputes 0", "gives it 1"]),
+        (lambda d: d["strategy"].update(recompute_layers=[1]), ["recompute_layers lists 1 stages", "pp x vp = 2"]),
         (lambda d: d["provenance"].pop("model_fingerprint"), ["provenance.model_fingerprint", "missing"]),
     ],
 )
@@ -200,6 +202,14 @@ def test_invalid_plans_fail_with_one_line(tmp_path, mutate, words):
     with pytest.raises(AutoparError) as excinfo:
         load_plan(_write(tmp_path, data))
     _one_line_error(excinfo, "plan.json is invalid", "re-run `autopar plan`", *words)
+
+
+def test_recompute_layers_round_trip_with_the_modules_they_name(tmp_path):
+    strategy = make_plan().strategy.model_copy(update={"recompute_layers": (1, 0)})
+    plan = make_plan(strategy=strategy, recompute_modules=["layers.0"])
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    assert load_plan(path).strategy.recompute_layers == (1, 0)
 
 
 def test_interleaved_needs_pp_times_vp_stages():

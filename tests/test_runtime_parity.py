@@ -68,12 +68,19 @@ WORLD2_GPT = [
     dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2),
     dict(dp=1, tp=1, pp=2, schedule="interleaved", vp=2, microbatch=2),
     dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2, recompute="full"),
+    # per-layer recompute: only the first layers of each stage (the ledger resends only theirs)
+    dict(dp=1, tp=2, pp=1, zero=0, microbatch=4, recompute="full", recompute_layers=(2,)),
+    dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2, recompute="selective", recompute_layers=(1, 0)),
 ]
 
 
 def test_world2_gpt_plan_kinds():
     plans, results, losses, state = _cases("gpt", tiny_config(), WORLD2_GPT, world=2)
     for strategy, plan, ranks in zip(WORLD2_GPT, plans, results):
+        if "recompute_layers" in strategy:  # the plan lists the first layers of each stage, no more
+            first = [path for stage, k in zip(plan.stages, strategy["recompute_layers"])
+                     for path in [p for p in stage.module_paths if p.startswith("layers.")][:k]]
+            assert plan.recompute_modules == first, (plan.recompute_modules, first)
         _check(strategy, plan, ranks, losses, state)
 
 
