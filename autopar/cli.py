@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus", type=int, help="size the cluster preset to this many GPUs")
     plan.add_argument("--strategy", default="", help="fixed keys, e.g. tp=8,pp=12,dp=16,microbatch=1,zero=1,"
                       "recompute=full,recompute_layers=2,schedule=1f1b,vp=1,sp=true (recompute_layers: the first k layers "
-                      "of each stage recompute, or k per stage as 3/2/1/0); keys left out are chosen by the cost model")
+                      "of each stage recompute, k per stage as 3/2/1/0, or all); keys left out are chosen by the cost model")
     plan.add_argument("--json", metavar="PATH", help="write the prediction as JSON to PATH, or - for stdout")
     plan.add_argument("--save-plan", metavar="PATH", help="write the chosen plan (the file `autopar run --plan` reads)")
     plan.add_argument("--report", metavar="PATH", help="write a self-contained HTML report (mesh, schedule, memory, "

@@ -53,8 +53,11 @@ def _value(key: str, value: str) -> Any:
     return number
 
 
-def _layer_counts(value: str) -> int | tuple[int, ...]:
-    """`3`: the first 3 layers of every stage recompute; `3/3/2/1`: a count per stage."""
+def _layer_counts(value: str) -> int | tuple[int, ...] | str:
+    """`3`: the first 3 layers of every stage recompute; `3/3/2/1`: a count per stage; `all`: every
+    layer (as Megatron-LM's published runs did), not fitted to memory."""
+    if value == "all":
+        return value
     parts = value.split("/")
     try:
         counts = tuple(int(part) for part in parts)
@@ -62,7 +65,7 @@ def _layer_counts(value: str) -> int | tuple[int, ...]:
         counts = ()
     if not counts or any(k < 0 for k in counts):
         raise AutoparError(f"--strategy recompute_layers={value}: give a whole number of layers per stage (e.g. 2), "
-                           f"or one per stage separated by / (e.g. 3/3/2/1)")
+                           f"one per stage separated by / (e.g. 3/3/2/1), or all")
     return counts[0] if len(parts) == 1 else counts
 
 

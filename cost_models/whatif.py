@@ -60,6 +60,8 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
                 counts = fixed.get("recompute_layers")
                 if isinstance(counts, int):  # the same count on every stage
                     counts = (counts,) * (pp * vp)
+                elif counts == "all":  # every layer: None, and `fit_recompute` leaves it so
+                    counts = None
                 try:
                     yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
                                    num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
@@ -95,7 +97,7 @@ def quick_evaluations(
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
         quick.append(evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
-                                     overlap_grad_sync=overlap_grad_sync))
+                                     overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed)))
     if not quick:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
@@ -115,7 +117,7 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
                                                efficiency=efficiency, overlap_grad_sync=overlap_grad_sync)
     quick.sort(key=lambda e: (not e.fits, e.step_time_s))
     ranked = [evaluate_fitted(facts, cluster, _all_layers(e.strategy, fixed), global_batch, exact=True,
-                              efficiency=efficiency, overlap_grad_sync=overlap_grad_sync)
+                              efficiency=efficiency, overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed))
               for e in quick[:top_k]]
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
     best = ranked[0] if ranked[0].fits else None
@@ -124,16 +126,23 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
 
 def evaluate_fitted(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, global_batch: int, *,
                     exact: bool, efficiency: Efficiency = DEFAULT_EFFICIENCY,
-                    overlap_grad_sync: bool = True) -> Evaluation:
-    """`evaluate` on the even layer split, Megatron's head; a strategy that recomputes every layer
-    comes back recomputing only the layers each stage needs to fit (`with_fewest_recomputed_layers`)."""
+                    overlap_grad_sync: bool = True, fit: bool = True) -> Evaluation:
+    """`evaluate` on the even layer split, Megatron's head; with `fit`, a strategy that recomputes
+    every layer comes back recomputing only the layers each stage needs to fit
+    (`with_fewest_recomputed_layers`)."""
     stages = partition(facts, strategy.pp * strategy.vp)
 
     def run(trial: Strategy) -> Evaluation:
         return evaluate(facts, cluster, trial, global_batch, exact=exact, efficiency=efficiency, stages=stages,
                         vocab=head_vocab(facts, trial), overlap_grad_sync=overlap_grad_sync)
 
-    return with_fewest_recomputed_layers(run(strategy), stages, run)
+    evaluation = run(strategy)
+    return with_fewest_recomputed_layers(evaluation, stages, run) if fit else evaluation
+
+
+def fit_recompute(fixed: dict[str, Any]) -> bool:
+    """Recompute counts are the planner's to choose unless --strategy gave them (a count, or all)."""
+    return "recompute_layers" not in fixed
 
 
 def _all_layers(strategy: Strategy, fixed: dict[str, Any]) -> Strategy:

@@ -32,7 +32,7 @@ from cost_models.collectives import placed_units
 from cost_models.facts import ModelFacts, Unit, model_facts
 from cost_models.memory import state_bytes_per_param, usable_bytes
 from cost_models.strategy import check_strategy
-from cost_models.whatif import head_vocab, quick_evaluations
+from cost_models.whatif import fit_recompute, head_vocab, quick_evaluations
 from searcher.inter_op import UnitCost, partition as dp_partition
 
 REFINE_TOP = 12
@@ -230,14 +230,15 @@ class _Refiner:
         """Evaluated on the even split and on the DP's partition, each with the fewest recomputed
         layers that fit it (counts fitted on the quick ranking's estimate are fitted again here)."""
         facts = dataclasses.replace(self.facts, units=tuple(units))
-        if "recompute_layers" not in self.fixed and strategy.recompute_layers is not None:
+        fit = fit_recompute(self.fixed)
+        if fit and strategy.recompute_layers is not None:
             strategy = strategy.model_copy(update={"recompute_layers": None})
 
         def evaluated(stages: list[list[Unit]]) -> Evaluation:
             def run(trial: Strategy) -> Evaluation:
                 return evaluate(facts, self.cluster, trial, self.global_batch, efficiency=self.efficiency,
                                 stages=stages, vocab=vocab, recompute_repeats=repeats)
-            return with_fewest_recomputed_layers(run(strategy), stages, run)
+            return with_fewest_recomputed_layers(run(strategy), stages, run) if fit else run(strategy)
 
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
         even = evaluated(even_stages)

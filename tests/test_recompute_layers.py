@@ -110,6 +110,10 @@ def test_search_picks_per_stage_counts_when_memory_is_tight_and_the_plan_lists_t
     everything = search(graph, facts, cluster, BATCH, fixed={**fixed, "recompute": best.strategy.recompute,
                                                              "recompute_layers": 2}, use_ilp=False)
     assert best.evaluation.step_time_s < everything.best.evaluation.step_time_s
+    fixed_all = search(graph, facts, cluster, BATCH, fixed={**fixed, "recompute": best.strategy.recompute,
+                                                            "recompute_layers": "all"}, use_ilp=False)
+    assert fixed_all.best.strategy.recompute_layers is None  # every layer, as asked: not fitted
+    assert fixed_all.best.evaluation.step_time_s == pytest.approx(everything.best.evaluation.step_time_s)
     plan = build_plan(best, graph, facts, cluster)
     assert plan.strategy.recompute_layers == best.strategy.recompute_layers
     assert plan.recompute_modules == recomputed_units(best.stages, best.strategy)
@@ -119,6 +123,7 @@ def test_search_picks_per_stage_counts_when_memory_is_tight_and_the_plan_lists_t
 def test_recompute_layers_in_strategy_text_and_rules():
     assert parse_strategy("recompute=full,recompute_layers=2") == {"recompute": "full", "recompute_layers": 2}
     assert parse_strategy("recompute_layers=3/3/2/1") == {"recompute_layers": (3, 3, 2, 1)}
+    assert parse_strategy("recompute_layers=all") == {"recompute_layers": "all"}
     for bad in ("recompute_layers=x", "recompute_layers=2/-1", "recompute_layers="):
         with pytest.raises(AutoparError, match="recompute_layers"):
             parse_strategy(bad)
