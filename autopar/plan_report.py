@@ -74,6 +74,7 @@ def plan_summary(result: Any, *, model: str, cluster: Any, global_batch: int, se
         "capacity_bytes": chosen.evaluation.capacity_bytes,
         "search": {"candidates": result.candidates, "seconds": round(result.search_s, 3),
                    "ilp_variables": result.ilp_variables, "ilp_solve_s": round(result.ilp_solve_s, 3),
+                   "ilp_budgeted": result.ilp_budgeted,
                    "rejected": result.rejected},
         "alternatives": [evaluation_summary(c.evaluation) for c in result.ranked if c is not chosen],
         "why_not": [{"label": w.label, "strategy": None if w.strategy is None else
@@ -262,7 +263,9 @@ def render(summary: dict[str, Any]) -> str:
     search = summary.get("search")
     if search:
         lines += ["", f"searched {search['candidates']:,} strategies in {search['seconds']:.1f} s"
-                  + (f" (ILP: {search['ilp_variables']:,} variables, {search['ilp_solve_s']:.1f} s)"
+                  + (f" (ILP: {search['ilp_variables']:,} variables, {search['ilp_solve_s']:.1f} s"
+                     + (f", {search['ilp_budgeted']} solves under a layer's memory budget"
+                        if search.get("ilp_budgeted") else "") + ")"
                      if search["ilp_variables"] else "")]
     return "\n".join(lines)
 

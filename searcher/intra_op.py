@@ -50,7 +50,7 @@ Constraint families, one method each on `_Ilp`:
   (`searcher.intra_op_rules`): x = 0 for a placement not allowed; x[bias, S(0)] = x[weight, S(0)];
   per block, x[input, S(0)] = x[output, S(1)] for all its Linear weights (all sharded or all R).
 - `_memory_budget` (with a budget): parameter bytes per rank (× `param_state_multiplier`) + saved
-  activation bytes per rank ≤ budget.
+  activation bytes per rank (× `activation_multiplier`) ≤ budget.
 The plan is written back as OpFacts (tp_sharded; reduce_bytes: the first all-reduce before an op;
 collectives: the others, bytes per sample), so `unit_time` + `evaluate` cost it to `objective_s`.
 """
@@ -83,7 +83,8 @@ class LayerSharding:
     param_placements: dict[str, str]
     boundary_placements: dict[str, str]  # stream shape → placement (layer units)
     objective_s: float
-    memory_bytes: float  # what the memory row counts, per rank
+    memory_bytes: float  # what the memory row counts, per rank: parameters' part + activations' part
+    parameter_bytes: float  # the parameters' part
     variables: int
     constraints: int
     solve_s: float
@@ -116,8 +117,10 @@ class UnitProblem:
     `cost(choice)` is the objective the ILP minimizes (tests enumerate it by brute force)."""
 
     def __init__(self, unit: Unit, graph: OpGraph, tp: int, batch: int, cluster: ClusterSpec, dtype: str,
-                 efficiency: Efficiency = DEFAULT_EFFICIENCY, param_state_multiplier: float = 1.0) -> None:
+                 efficiency: Efficiency = DEFAULT_EFFICIENCY, param_state_multiplier: float = 1.0,
+                 activation_multiplier: float = 1.0) -> None:
         self.unit, self.tp, self.batch, self.cluster = unit, tp, batch, cluster
+        self.activation_multiplier = activation_multiplier
         self.layout = group_layout(tp, 1, cluster.gpus_per_node)
         self.by_name = {n.name: n for n in graph.nodes}
         self.in_unit = {op.name for op in unit.ops}
@@ -171,7 +174,7 @@ class UnitProblem:
         options = self.strategies[node.name] = op_strategies(node, self.tp)
         times = [op_time_s(dataclasses.replace(op, tp_sharded=divided), self.cluster.gpu, dtype, batch=self.batch,
                            tp=self.tp, sp=False, efficiency=efficiency) for divided in (False, True)]
-        saved = op.saved_bytes * self.batch if op.phase == "forward" else 0.0
+        saved = op.saved_bytes * self.batch * self.activation_multiplier if op.phase == "forward" else 0.0
         sharded = [bool(s.outputs) and shard_dim(s.outputs[0]) is not None for s in options]
         inside = [sum(self.time(kind, b * self.scale) for kind, b in s.collectives) for s in options]
         self._add(node.name, [s.describe() for s in options], [s.outputs for s in options],
@@ -284,8 +287,9 @@ class UnitProblem:
         unary = sum(d.unary[c] for d, c in zip(self.decisions, choice))  # views' gathers included
         return unary + sum(self.time(kind, b) for _, kind, b in self.moves(choice))
 
-    def memory(self, choice: list[int]) -> float:
-        return sum(d.memory[c] for d, c in zip(self.decisions, choice))
+    def memory(self, choice: list[int], parameters_only: bool = False) -> float:
+        return sum(d.memory[c] for d, c in zip(self.decisions, choice)
+                   if not parameters_only or d.key.startswith("param:"))
 
 
 class _Ilp:
@@ -435,9 +439,10 @@ class _Ilp:
 def solve_unit(unit: Unit, graph: OpGraph, *, tp: int, batch: int, cluster: ClusterSpec, dtype: str,
                memory_budget_bytes: float | None = None, efficiency: Efficiency = DEFAULT_EFFICIENCY,
                time_limit_s: float = 30.0, param_state_multiplier: float = 1.0, solver: str = "HIGHS",
-               tp_rules: TpRules | None = None) -> LayerSharding:
+               tp_rules: TpRules | None = None, activation_multiplier: float = 1.0) -> LayerSharding:
     """The cheapest tp sharding of one unit (module docstring). `param_state_multiplier` scales
-    parameter bytes in the memory row (e.g. weight + gradient + optimizer bytes per weight byte).
+    parameter bytes in the memory row (e.g. weight + gradient + optimizer bytes per weight byte),
+    `activation_multiplier` saved activation bytes (e.g. micro-batches held in flight).
     `tp_rules` (the runtime's, looked up by this unit's parameter names) keeps the parameter
     placements to those the runtime executes.
     An unmet budget gives status "infeasible", objective inf and the unit unchanged."""
@@ -445,14 +450,15 @@ def solve_unit(unit: Unit, graph: OpGraph, *, tp: int, batch: int, cluster: Clus
     if tp <= 1:
         total = sum(op_time_s(op, cluster.gpu, dtype, batch=batch, tp=1, sp=False, efficiency=efficiency)
                     for op in unit.ops)
-        return LayerSharding(unit.ops, unit, {op.name: R for op in unit.ops}, {}, {}, {}, total, 0.0, 0, 0,
+        return LayerSharding(unit.ops, unit, {op.name: R for op in unit.ops}, {}, {}, {}, total, 0.0, 0.0, 0, 0,
                              time.perf_counter() - started, "trivial")
-    problem = UnitProblem(unit, graph, tp, batch, cluster, dtype, efficiency, param_state_multiplier)
+    problem = UnitProblem(unit, graph, tp, batch, cluster, dtype, efficiency, param_state_multiplier,
+                          activation_multiplier)
     ilp = _Ilp(problem, memory_budget_bytes, solver, tp_rules)
     status, choice = ilp.solve(time_limit_s)
     size = (ilp.solver.NumVariables(), ilp.solver.NumConstraints())
     if choice is None:
-        return LayerSharding(unit.ops, unit, {}, {}, {}, {}, float("inf"), float("inf"), *size,
+        return LayerSharding(unit.ops, unit, {}, {}, {}, {}, float("inf"), float("inf"), float("inf"), *size,
                              time.perf_counter() - started, status)
     return _result(problem, choice, status, size, time.perf_counter() - started)
 
@@ -496,4 +502,5 @@ def _result(problem: UnitProblem, choice: list[int], status: str, size: tuple, s
     unit = dataclasses.replace(problem.unit, ops=tuple(ops), sharded_params=min(sharded, problem.unit.params))
     return LayerSharding(tuple(ops), unit, op_placements, op_strategies, params,
                          {k[9:]: v for k, v in chosen.items() if k.startswith("boundary:")},
-                         problem.cost(choice), problem.memory(choice), *size, solve_s, status)
+                         problem.cost(choice), problem.memory(choice), problem.memory(choice, parameters_only=True),
+                         *size, solve_s, status)

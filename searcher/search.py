@@ -2,12 +2,15 @@
 
 1. Enumerate every completion of the fixed keys over (dp, tp, pp, zero, recompute, micro-batch,
    schedule, vp, sp) that the runtime can execute (`autopar.capabilities`) and that breaks no rule,
-   and rank them with the closed-form pipeline estimate on an even layer split.
+   and rank them with the closed-form pipeline estimate on an even layer split, each recomputing
+   only the layers its stages need to fit (`cost_models.recompute`).
 2. For the best few: propose each distinct unit's tensor-parallel placements with the intra-op
-   ILP (once per layer type, given to every instance), keep what the runtime can run, rebuild the
-   units with the collectives the runtime sends for them (`placed_units`), cut the units into
-   stages with the inter-op dynamic program, and evaluate exactly (simulated schedule) with the
-   evaluator Megatron's layout goes through: the plan that runs is the plan that was costed.
+   ILP (once per layer type, given to every instance; solved again under the layer's share of
+   device memory, `searcher.memory_budget`, when the fastest sharding overflows it), keep what the
+   runtime can run, rebuild the units with the collectives the runtime sends for them
+   (`placed_units`), cut the units into stages with the inter-op dynamic program, and evaluate
+   exactly (simulated schedule) with the evaluator Megatron's layout goes through: the plan that
+   runs is the plan that was costed. Per-stage recompute counts are fitted to each partition.
 3. Keep the fastest plan that fits, the runners-up, and why-not rows for the obvious alternatives.
 No nn.Module is touched here: inputs are the op graph, its facts and the cluster.
 """
@@ -22,7 +25,7 @@ from typing import Any
 from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
-from autopar.graph.ir import OpGraph
+from autopar.graph.ir import OpGraph, TensorMeta
 from autopar.plan import Strategy
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
 from cost_models.communication import collective_time_s, group_layout
@@ -34,6 +37,7 @@ from cost_models.memory import state_bytes_per_param, usable_bytes
 from cost_models.strategy import check_strategy
 from cost_models.whatif import fit_recompute, head_vocab, quick_evaluations
 from searcher.inter_op import UnitCost, partition as dp_partition
+from searcher.memory_budget import LayerBudget, layer_budget
 
 REFINE_TOP = 12
 
@@ -68,6 +72,7 @@ class SearchResult:
     ilp_variables: int = 0
     ilp_solve_s: float = 0.0
     ilp_refused: int = 0  # ILP solutions the runtime could not execute (the propagation's plan stood)
+    ilp_budgeted: int = 0  # ILP solves under a layer's memory budget (the fastest sharding overflowed it)
 
 
 def search(
@@ -99,7 +104,7 @@ def search(
     return SearchResult(
         best=best, ranked=ranked[:top_k], why_not=why_not, candidates=count, rejected=rejected,
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,
-        ilp_solve_s=refiner.ilp_solve_s, ilp_refused=refiner.ilp_refused,
+        ilp_solve_s=refiner.ilp_solve_s, ilp_refused=refiner.ilp_refused, ilp_budgeted=refiner.ilp_budgeted,
     )
 
 
@@ -138,6 +143,7 @@ class _Refiner:
         self.cache: dict[tuple, Any] = {}
         self.ilp_variables = 0
         self.ilp_solve_s = 0.0
+        self.ilp_budgeted = 0  # solves under a layer's memory budget (the fastest sharding overflowed it)
         self._nodes: dict[str, Any] | None = None  # op name -> node, built once on first use
 
     def proposals(self, strategy: Strategy) -> tuple[dict[str, str], dict[str, list[str]]]:
@@ -152,22 +158,44 @@ class _Refiner:
             return {}, {}
         op_placements: dict[str, str] = {}
         proposed: dict[str, list[str]] = {}
+        weight_bytes = TensorMeta(shape=(1,), dtype=self.graph.params[0].dtype).bytes if self.graph.params else 2
+        budget = layer_budget(self.facts, self.cluster, strategy, weight_bytes)
         for unit in self.facts.units:
             key = (unit.layer_type or unit.name, strategy.tp, strategy.microbatch)
-            if key not in self.cache:
-                solution = solve_unit(unit, self.graph, tp=strategy.tp, batch=strategy.microbatch,
-                                      cluster=self.cluster, dtype=self.facts.precision, efficiency=self.efficiency,
-                                      tp_rules=self.capabilities.tp_rules)
-                self.cache[key] = (solution, unit)
-                self.ilp_variables += getattr(solution, "variables", 0)
-                self.ilp_solve_s += getattr(solution, "solve_s", 0.0)
-            solution, solved_for = self.cache[key]
+            solution, solved_for = self._solved(solve_unit, key, unit, strategy, None)
+            if budget is not None and unit.layer_type is not None:
+                held = solution.memory_bytes - solution.parameter_bytes  # solved with both multipliers 1
+                if solution.parameter_bytes * budget.param_state_multiplier \
+                        + held * budget.activation_multiplier > budget.bytes:
+                    # the fastest sharding overflows the layer's share: the fastest that fits, if any
+                    tight, tight_for = self._solved(solve_unit, key, unit, strategy, budget)
+                    if tight.status in ("optimal", "feasible"):
+                        solution, solved_for = tight, tight_for
             ops = {old.name: new.name for old, new in zip(solved_for.ops, unit.ops)}
             op_placements.update({ops.get(name, name): value for name, value in solution.op_placements.items()})
             for name, value in self._instance_params(solution.param_placements, solved_for, unit).items():
                 if value not in proposed.setdefault(name, []):
                     proposed[name].append(value)
         return op_placements, proposed
+
+    def _solved(self, solve_unit, key: tuple, unit: Unit, strategy: Strategy, budget: LayerBudget | None):
+        """(solution, the instance it was solved on): one solve per layer type, tp, micro-batch and
+        budget (budgets rounded to 1/64 GiB so near-equal strategies share a solve)."""
+        if budget is not None:
+            key = key + (round(budget.bytes / 2**24), round(budget.param_state_multiplier, 3),
+                         round(budget.activation_multiplier, 3))
+        if key not in self.cache:
+            extra = {} if budget is None else dict(
+                memory_budget_bytes=budget.bytes, param_state_multiplier=budget.param_state_multiplier,
+                activation_multiplier=budget.activation_multiplier)
+            solution = solve_unit(unit, self.graph, tp=strategy.tp, batch=strategy.microbatch, cluster=self.cluster,
+                                  dtype=self.facts.precision, efficiency=self.efficiency,
+                                  tp_rules=self.capabilities.tp_rules, **extra)
+            self.cache[key] = (solution, unit)
+            self.ilp_variables += getattr(solution, "variables", 0)
+            self.ilp_solve_s += getattr(solution, "solve_s", 0.0)
+            self.ilp_budgeted += budget is not None
+        return self.cache[key]
 
     def _instance_params(self, placements: dict[str, str], solved_for: Unit, unit: Unit) -> dict[str, str]:
         """A tied solve's parameter placements, moved from the instance it was solved on to `unit`

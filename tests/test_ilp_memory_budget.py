@@ -1,0 +1,88 @@
+"""The search gives the intra-op ILP each layer's share of device memory: when the fastest sharding
+of a layer overflows it, the proposal is the fastest sharding that fits."""
+
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.graph import trace
+from autopar.models import build_model
+from autopar.plan import Strategy
+from cost_models.compute import DEFAULT_EFFICIENCY
+from cost_models.facts import model_facts
+from cost_models.memory import FRAGMENTATION_MARGIN, RESERVED_BYTES, usable_bytes
+from runtime.tensor_parallel import capabilities_for
+from searcher.memory_budget import layer_budget
+from searcher.search import _Refiner
+
+pytest.importorskip("ortools")
+
+BATCH = 8
+STRATEGY = Strategy(dp=2, tp=2, pp=1, microbatch=2, num_microbatches=2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    spec = build_model("gpt", "layers=2,hidden=256,heads=8,vocab=1000,seq_len=128")
+    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="bf16")
+    return spec, graph, model_facts(graph, heads=8, vocab=1000)
+
+
+def refiner(spec, graph, facts, cluster):
+    return _Refiner(graph, facts, cluster, BATCH, DEFAULT_EFFICIENCY, True, {}, capabilities_for(spec.module))
+
+
+def layer_weights(proposed):
+    return {name: options for name, options in proposed.items()
+            if name.startswith("layers.") and name.endswith(".weight") and ".ln" not in name}
+
+
+def cluster_with_layer_budget(facts, budget_bytes):
+    """A one-node cluster whose per-layer budget under STRATEGY is `budget_bytes`."""
+    reference = load_cluster("dgx-h100", gpus=4)
+    ref = layer_budget(facts, reference, STRATEGY, 2)
+    layers_per_rank = len(facts.layer_units)
+    fixed_costs = usable_bytes(reference.gpu.memory_bytes) / (1 + FRAGMENTATION_MARGIN) - ref.bytes * layers_per_rank
+    capacity = (budget_bytes * layers_per_rank + fixed_costs) * (1 + FRAGMENTATION_MARGIN) + RESERVED_BYTES
+    gpu = reference.gpu.model_copy(update={"memory_bytes": int(capacity)})
+    return reference.model_copy(update={"gpu": gpu})
+
+
+def test_a_tight_layer_budget_makes_the_ilp_shard_what_it_would_replicate(tiny):
+    spec, graph, facts = tiny
+    roomy = refiner(spec, graph, facts, load_cluster("dgx-h100", gpus=4))
+    _, free = roomy.proposals(STRATEGY)
+    weights = layer_weights(free)
+    assert weights and all(options == ["R"] for options in weights.values())  # tiny layer: replication is fastest
+    assert roomy.ilp_budgeted == 0
+
+    budget = layer_budget(facts, load_cluster("dgx-h100", gpus=4), STRATEGY, 2)
+    layer = facts.units[facts.layer_units[0]]
+    replicated = layer.params * 2 * budget.param_state_multiplier  # parameters alone, every weight replicated
+    tight_cluster = cluster_with_layer_budget(facts, 0.8 * replicated)
+    tight = refiner(spec, graph, facts, tight_cluster)
+    assert layer_budget(facts, tight_cluster, STRATEGY, 2).bytes == pytest.approx(0.8 * replicated, rel=1e-6)
+    _, fitted = tight.proposals(STRATEGY)
+    assert tight.ilp_budgeted >= 1
+    sharded = [name for name, options in layer_weights(fitted).items() if options != ["R"]]
+    assert sharded, layer_weights(fitted)
+
+
+def test_the_search_reports_its_budgeted_solves(tiny):
+    from searcher.search import search
+
+    spec, graph, facts = tiny
+    budget = layer_budget(facts, load_cluster("dgx-h100", gpus=4), STRATEGY, 2)
+    layer = facts.units[facts.layer_units[0]]
+    cluster = cluster_with_layer_budget(facts, 0.8 * layer.params * 2 * budget.param_state_multiplier)
+    fixed = {"dp": 2, "tp": 2, "pp": 1, "microbatch": 2, "zero": 0, "recompute": "none", "sp": False}
+    result = search(graph, facts, cluster, BATCH, fixed=fixed, capabilities=capabilities_for(spec.module))
+    assert result.ilp_budgeted >= 1
+
+
+def test_an_impossible_budget_keeps_the_fastest_sharding(tiny):
+    """Nothing fits the share: the proposal stands unconstrained (the evaluator then judges the plan)."""
+    spec, graph, facts = tiny
+    impossible = refiner(spec, graph, facts, cluster_with_layer_budget(facts, 1.0))
+    _, proposed = impossible.proposals(STRATEGY)
+    assert impossible.ilp_budgeted >= 1
+    assert all(options == ["R"] for options in layer_weights(proposed).values())
