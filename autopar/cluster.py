@@ -80,12 +80,22 @@ class GpuSpec(_Spec):
 
 
 class LinkSpec(_Spec):
-    """A link as one GPU sees it: unidirectional bandwidth per GPU and per-message latency."""
+    """A link as one GPU sees it: unidirectional bandwidth per GPU and per-message latency.
+
+    `bandwidth_bytes_per_s` is the line rate (datasheet); `efficiency` the fraction of it NCCL's
+    ring collectives reach, their bus bandwidth (the figure nccl-tests prints, defined by the same
+    ring formulas `cost_models.communication` uses). A measured link gives its bus bandwidth with
+    efficiency 1."""
 
     name: str = Field(min_length=1)
     bandwidth_bytes_per_s: float = Field(gt=0)
     latency_s: float = Field(ge=0)
+    efficiency: float = Field(default=1.0, gt=0, le=1)
     source: str = ""
+
+    @property
+    def effective_bandwidth_bytes_per_s(self) -> float:
+        return self.bandwidth_bytes_per_s * self.efficiency
 
 
 class ClusterSpec(_Spec):
@@ -140,11 +150,19 @@ LINK_PRESETS: dict[str, LinkSpec] = {
     spec.name: spec
     for spec in (
         # A100: 600 GB/s NVLink bidirectional per GPU (NVIDIA A100 datasheet) = 300 GB/s each way.
-        LinkSpec(name="nvlink3", bandwidth_bytes_per_s=300e9, latency_s=3e-6, source="NVIDIA A100 datasheet"),
+        # nccl-tests all_reduce_perf on 8 A100-SXM4 reports a bus bandwidth of about 200-210 GB/s
+        # (NVIDIA/nccl-tests issues #149: ~200 GB/s; #178: 208 GB/s): 0.70 of the line rate.
+        LinkSpec(name="nvlink3", bandwidth_bytes_per_s=300e9, latency_s=3e-6, efficiency=0.70,
+                 source="NVIDIA A100 datasheet; NCCL bus bandwidth from nccl-tests #149, #178"),
         # H100/H200: 900 GB/s NVLink bidirectional per GPU (NVIDIA H100 datasheet) = 450 GB/s each way.
-        LinkSpec(name="nvlink4", bandwidth_bytes_per_s=450e9, latency_s=3e-6, source="NVIDIA H100 datasheet"),
-        # DGX A100: one 200 Gb/s HDR InfiniBand adapter per GPU = 25 GB/s.
-        LinkSpec(name="ib-hdr", bandwidth_bytes_per_s=25e9, latency_s=5e-6, source="HDR InfiniBand, 200 Gb/s per GPU"),
+        # NCCL's ring reaches about 370 GB/s of it, protocol overhead ~20% (an NCCL maintainer in
+        # NVIDIA/nccl-tests issue #212): 0.82.
+        LinkSpec(name="nvlink4", bandwidth_bytes_per_s=450e9, latency_s=3e-6, efficiency=0.82,
+                 source="NVIDIA H100 datasheet; NCCL ring bus bandwidth from nccl-tests #212"),
+        # DGX A100: one 200 Gb/s HDR InfiniBand adapter per GPU = 25 GB/s; all_reduce_perf over 3
+        # nodes of 8 A100 with 4 HDR adapters each peaks at 96 of 100 GB/s (nccl-tests #119): 0.96.
+        LinkSpec(name="ib-hdr", bandwidth_bytes_per_s=25e9, latency_s=5e-6, efficiency=0.96,
+                 source="HDR InfiniBand, 200 Gb/s per GPU; NCCL bus bandwidth from nccl-tests #119"),
         # DGX H100/H200: one 400 Gb/s NDR InfiniBand adapter per GPU = 50 GB/s.
         LinkSpec(name="ib-ndr", bandwidth_bytes_per_s=50e9, latency_s=5e-6, source="NDR InfiniBand, 400 Gb/s per GPU"),
     )
@@ -272,7 +290,7 @@ def _resolve_names(data: dict[str, Any], path: Path) -> dict[str, Any]:
     for key in ("intra_node", "inter_node"):
         if isinstance(resolved.get(key), str):
             resolved[key] = _lookup(LINK_PRESETS, resolved[key], "link", path,
-                                    "or give a mapping (name, bandwidth_bytes_per_s, latency_s)")
+                                    "or give a mapping (name, bandwidth_bytes_per_s, latency_s, optional efficiency)")
     return resolved
 
 
@@ -284,11 +302,14 @@ def _lookup(presets: dict[str, _Spec], name: str, kind: str, path: Path, alterna
 
 
 def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Overrides win; nested mappings merge, so `gpu: {memory_bytes: ...}` keeps the rest of the GPU."""
+    """Overrides win; nested mappings merge, so `gpu: {memory_bytes: ...}` keeps the rest of the GPU.
+    A link given a bandwidth of its own is taken as measured: its efficiency is 1 unless given too."""
     merged = dict(base)
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = _deep_merge(merged[key], value)
+            if key in ("intra_node", "inter_node") and "bandwidth_bytes_per_s" in value and "efficiency" not in value:
+                merged[key]["efficiency"] = 1.0
         else:
             merged[key] = value
     return merged

@@ -105,8 +105,8 @@ def mesh_summary(strategy: dict[str, Any], cluster: Any) -> dict[str, Any]:
     per_node = cluster.gpus_per_node
     intra = getattr(cluster, "intra_node", None)
     inter = getattr(cluster, "inter_node", None)
-    links = {"intra_node": None if intra is None else {"name": intra.name, "bandwidth_bytes_per_s": intra.bandwidth_bytes_per_s},
-             "inter_node": None if inter is None else {"name": inter.name, "bandwidth_bytes_per_s": inter.bandwidth_bytes_per_s}}
+    links = {"intra_node": None if intra is None else {"name": intra.name, "bandwidth_bytes_per_s": intra.effective_bandwidth_bytes_per_s},
+             "inter_node": None if inter is None else {"name": inter.name, "bandwidth_bytes_per_s": inter.effective_bandwidth_bytes_per_s}}
     axes = {}
     stride = 1
     for axis in reversed(_MESH_AXES):

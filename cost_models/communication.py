@@ -49,7 +49,7 @@ def flat_collective_time_s(kind: str, message_bytes: float, n: int, link: LinkSp
     """One flat ring over `n` ranks on one kind of link."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}; known: {', '.join(COLLECTIVES)}")
-    alpha, beta = link.latency_s, link.bandwidth_bytes_per_s
+    alpha, beta = link.latency_s, link.effective_bandwidth_bytes_per_s
     if kind == "send_recv":
         return alpha + message_bytes / beta
     if n <= 1:
@@ -90,7 +90,7 @@ def collective_time_s(kind: str, message_bytes: float, layout: GroupLayout, clus
         # Of each rank's data, (nodes-1)/nodes leaves the node over its own NIC.
         inter_fraction = (nodes - 1) / nodes
         return (
-            inter_fraction * message_bytes / inter.bandwidth_bytes_per_s
+            inter_fraction * message_bytes / inter.effective_bandwidth_bytes_per_s
             + (layout.size - 1) * inter.latency_s
             + flat_collective_time_s("all_to_all", message_bytes / nodes, k, intra)
         )

@@ -60,6 +60,11 @@ def test_datasheet_figures():
     assert a100_80.gpu.peak_flops_per_s("fp32") == 19.5e12
     assert a100_80.intra_node.bandwidth_bytes_per_s == 300e9
     assert a100_80.inter_node.bandwidth_bytes_per_s == 25e9
+    # what NCCL's ring reaches of them (nccl-tests bus bandwidth; sources in autopar/cluster.py)
+    assert a100_80.intra_node.effective_bandwidth_bytes_per_s == pytest.approx(210e9)
+    assert a100_80.inter_node.effective_bandwidth_bytes_per_s == pytest.approx(24e9)
+    assert h100.intra_node.effective_bandwidth_bytes_per_s == pytest.approx(369e9)
+    assert h100.inter_node.effective_bandwidth_bytes_per_s == 50e9  # no published figure: the line rate
 
     a100_40 = load_cluster("dgx-a100-40gb")
     assert a100_40.gpu.memory_bytes == 42949672960
@@ -124,6 +129,10 @@ def test_override_merges_nested_fields_and_names_gpu_and_links(tmp_path):
     cluster = load_cluster(str(path))
     assert cluster.gpu.name == "H100-SXM5-80GB" and cluster.world_size == 8
 
+    path.write_text("preset: dgx-h100\nintra_node: {name: measured, bandwidth_bytes_per_s: 3.6e11, latency_s: 3e-6}\n")
+    measured = load_cluster(str(path)).intra_node  # a measured bus bandwidth: efficiency 1
+    assert measured.effective_bandwidth_bytes_per_s == 3.6e11
+
 
 @pytest.mark.parametrize(
     "filename, text, words",
@@ -138,6 +147,8 @@ def test_override_merges_nested_fields_and_names_gpu_and_links(tmp_path):
         ("c.yaml", "preset: dgx-h100\nnum_nodes: 2\ninter_node: null\n", ["inter_node"]),
         ("c.yaml", "preset: dgx-h100\ngpu: {peak_tflops: {bf_16: 1}}\n", ["gpu.peak_tflops", "unknown dtype 'bf_16'"]),
         ("c.yaml", "- a\n- b\n", ["must be a mapping", "list"]),
+        ("c.yaml", "preset: dgx-h100\nintra_node: {name: l, bandwidth_bytes_per_s: 1e9, latency_s: 0, efficiency: 1.5}\n",
+         ["efficiency", "less than or equal to 1"]),
         ("c.yaml", "", ["empty file"]),
     ],
 )

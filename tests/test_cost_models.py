@@ -35,7 +35,7 @@ def strategy(**changes):
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_ring_all_reduce_closed_form(n):
     size = 1e9
-    alpha, beta = LINK.latency_s, LINK.bandwidth_bytes_per_s
+    alpha, beta = LINK.latency_s, LINK.effective_bandwidth_bytes_per_s
     expected = 2 * (n - 1) / n * size / beta + 2 * (n - 1) * alpha
     assert flat_collective_time_s("all_reduce", size, n, LINK) == pytest.approx(expected)
     gather = flat_collective_time_s("all_gather", size, n, LINK)
