@@ -116,7 +116,7 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
                                                efficiency=efficiency, overlap_grad_sync=overlap_grad_sync)
     quick.sort(key=lambda e: (not e.fits, e.step_time_s))
-    ranked = [evaluate_fitted(facts, cluster, _all_layers(e.strategy, fixed), global_batch, exact=True,
+    ranked = [evaluate_fitted(facts, cluster, unfitted(e.strategy, fixed), global_batch, exact=True,
                               efficiency=efficiency, overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed))
               for e in quick[:top_k]]
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
@@ -145,9 +145,10 @@ def fit_recompute(fixed: dict[str, Any]) -> bool:
     return "recompute_layers" not in fixed
 
 
-def _all_layers(strategy: Strategy, fixed: dict[str, Any]) -> Strategy:
-    """The strategy before its recompute counts were fitted (on an estimate): refitted exactly."""
-    if "recompute_layers" in fixed or strategy.recompute_layers is None:
+def unfitted(strategy: Strategy, fixed: dict[str, Any]) -> Strategy:
+    """The strategy before its recompute counts were fitted (on an estimate, or another partition),
+    to fit them again; counts the user fixed stay."""
+    if not fit_recompute(fixed) or strategy.recompute_layers is None:
         return strategy
     return strategy.model_copy(update={"recompute_layers": None})
 

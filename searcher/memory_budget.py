@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from autopar.cluster import ClusterSpec
 from autopar.plan import Strategy
 from cost_models.facts import ModelFacts
-from cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, state_bytes_per_param, usable_bytes
+from cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, model_state_bytes, usable_bytes
 from cost_models.pipeline import estimate
 from cost_models.strategy import even_stage_layers
 
@@ -34,9 +34,7 @@ def layer_budget(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, we
     layers = len(facts.layer_units)
     if not layers:
         return None
-    per = state_bytes_per_param(facts.precision)
-    state = per.weight / (s.dp if s.zero >= 3 else 1) + per.gradient / (s.dp if s.zero >= 2 else 1) \
-        + per.optimizer / (s.dp if s.zero >= 1 else 1)
+    state = sum(model_state_bytes(1.0, facts.precision, s.zero, s.dp))  # bytes per parameter
     stages = s.pp * s.vp
     sizes = even_stage_layers(layers, stages) if stages <= layers else [1] * stages
     per_rank = max(sum(sizes[i] for i in range(rank, stages, s.pp)) for rank in range(s.pp))

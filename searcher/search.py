@@ -33,9 +33,9 @@ from cost_models.evaluate import (Evaluation, evaluate, partition as even_partit
                                   with_fewest_recomputed_layers)
 from cost_models.collectives import placed_units
 from cost_models.facts import ModelFacts, Unit, model_facts
-from cost_models.memory import state_bytes_per_param, usable_bytes
+from cost_models.memory import model_state_bytes, usable_bytes
 from cost_models.strategy import check_strategy
-from cost_models.whatif import fit_recompute, head_vocab, quick_evaluations
+from cost_models.whatif import fit_recompute, head_vocab, quick_evaluations, unfitted
 from searcher.inter_op import UnitCost, partition as dp_partition
 from searcher.memory_budget import LayerBudget, layer_budget
 
@@ -259,8 +259,7 @@ class _Refiner:
         layers that fit it (counts fitted on the quick ranking's estimate are fitted again here)."""
         facts = dataclasses.replace(self.facts, units=tuple(units))
         fit = fit_recompute(self.fixed)
-        if fit and strategy.recompute_layers is not None:
-            strategy = strategy.model_copy(update={"recompute_layers": None})
+        strategy = unfitted(strategy, self.fixed)
 
         def evaluated(stages: list[list[Unit]]) -> Evaluation:
             def run(trial: Strategy) -> Evaluation:
@@ -282,9 +281,7 @@ class _Refiner:
         stages = s.pp * s.vp
         if stages == 1 or s.recompute_layers is not None:  # fixed counts are per stage of the even split
             return None
-        per = state_bytes_per_param(facts.precision)
-        state = per.weight / (s.dp if s.zero >= 3 else 1) + per.gradient / (s.dp if s.zero >= 2 else 1) \
-            + per.optimizer / (s.dp if s.zero >= 1 else 1)
+        state = sum(model_state_bytes(1.0, facts.precision, s.zero, s.dp))  # bytes per parameter
         tp_layout = group_layout(s.tp, 1, self.cluster.gpus_per_node)
         costs = []
         for unit in facts.units:
