@@ -53,7 +53,7 @@ def evaluation_summary(evaluation: Evaluation) -> dict[str, Any]:
         },
         "stages": [
             {"index": stage.index, "rank": stage.rank, "units": list(stage.units),
-             "forward_s": stage.forward_s, "backward_s": stage.backward_s}
+             "forward_s": stage.forward_s, "backward_s": stage.backward_s, "recomputed_layers": stage.recomputed_layers}
             for stage in evaluation.stages
         ],
     }
@@ -244,7 +244,8 @@ def render(summary: dict[str, Any]) -> str:
         units = stage["units"]
         shown = ", ".join(units[:3]) + (f", … {units[-1]}" if len(units) > 3 else "")
         lines.append(f"  stage {stage['index']:<3} rank {stage['rank']:<3} {len(units):>3} units  "
-                     f"fwd {stage['forward_s'] * 1e3:8.2f} ms  bwd {stage['backward_s'] * 1e3:8.2f} ms  ({shown})")
+                     f"fwd {stage['forward_s'] * 1e3:8.2f} ms  bwd {stage['backward_s'] * 1e3:8.2f} ms  ({shown})"
+                     + (f"  recompute {stage['recomputed_layers']} layers" if stage.get("recomputed_layers") else ""))
     if summary["alternatives"]:
         lines += ["", "runners-up"]
         for alt in summary["alternatives"]:

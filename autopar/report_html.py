@@ -114,13 +114,14 @@ def _stages_section(summary: dict[str, Any]) -> str:
             gpus, peak = f"{per_rank} per rank", f"{min(memory[r] for r in ranks) / GiB:.1f}–{max(memory[r] for r in ranks) / GiB:.1f}"
         rows.append([label, rank_text, gpus, str(len(first_st["units"])) + (" each" if len(run) > 1 else ""), shown,
                      f"{first_st['forward_s'] * 1e3:.2f}", f"{first_st['backward_s'] * 1e3:.2f}",
-                     f"{(first_st['forward_s'] + first_st['backward_s']) * s['num_microbatches'] * 1e3:.1f}", peak])
+                     f"{(first_st['forward_s'] + first_st['backward_s']) * s['num_microbatches'] * 1e3:.1f}", peak,
+                     str(first_st.get("recomputed_layers", 0))])
     folded = len(rows) < len(summary["stages"])
     return ((f'<p class="note">{len(summary["stages"])} virtual stages; consecutive stages with the same layer count '
              f'and times share a row (stage i runs on pp rank i mod {s["pp"]}).</p>' if folded else "")
             + _table(["stage", "pp rank", "GPUs", "units", "modules", "fwd ms", "bwd ms",
-                      f"× {s['num_microbatches']} micro-batches, ms", "rank peak GiB"], rows, "stage-table",
-                     numeric={0, 1, 3, 5, 6, 7, 8}))
+                      f"× {s['num_microbatches']} micro-batches, ms", "rank peak GiB", "recomputed layers"], rows,
+                     "stage-table", numeric={0, 1, 3, 5, 6, 7, 8, 9}))
 
 
 def _timeline_section(summary: dict[str, Any]) -> str:

@@ -46,6 +46,7 @@ class StageCost:
     backward_s: float
     activation_bytes: float  # one micro-batch's saved activations
     transient_bytes: float  # what recompute rebuilds for the layer being differentiated: once, not per micro-batch
+    recomputed_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,8 @@ def evaluate(
         activations = 0.0
         recompute_extra = 0.0
         largest_full_layer = 0.0
-        for unit, policy in zip(units, stage_policies(units, s, index)):
+        policies = stage_policies(units, s, index)
+        for unit, policy in zip(units, policies):
             (unit_forward, unit_backward, unit_forward_comm, unit_backward_comm, unit_recompute, unit_full,
              unit_activations, on_device) = unit_part(unit, policy)
             forward += unit_forward
@@ -184,7 +186,8 @@ def evaluate(
             zero3_backward = max(gather + scatter - backward, first)
         f = forward + forward_comm + zero3_forward
         bw = backward + backward_comm + recompute_extra + zero3_backward
-        stage_costs.append(StageCost(index, rank, tuple(u.name for u in units), f, bw, activations, largest_full_layer))
+        stage_costs.append(StageCost(index, rank, tuple(u.name for u in units), f, bw, activations, largest_full_layer,
+                                     sum(policy != "none" for policy in policies)))
         compute_parts.append((forward + backward, recompute_extra,
                               forward_comm + backward_comm + zero3_forward + zero3_backward))
 

@@ -7,6 +7,7 @@ from autopar.errors import AutoparError
 from autopar.graph import trace
 from autopar.models import build_model
 from autopar.plan import Strategy
+from autopar.plan_report import evaluation_summary, plan_summary, render
 from cost_models.collectives import step_collectives
 from cost_models.evaluate import evaluate, partition, with_fewest_recomputed_layers
 from cost_models.facts import model_facts
@@ -114,6 +115,12 @@ def test_search_picks_per_stage_counts_when_memory_is_tight_and_the_plan_lists_t
                                                             "recompute_layers": "all"}, use_ilp=False)
     assert fixed_all.best.strategy.recompute_layers is None  # every layer, as asked: not fitted
     assert fixed_all.best.evaluation.step_time_s == pytest.approx(everything.best.evaluation.step_time_s)
+    summary = evaluation_summary(best.evaluation)  # what the report shows per stage
+    assert [st["recomputed_layers"] for st in summary["stages"]] == list(best.strategy.recompute_layers)
+    text = render(plan_summary(result, model="gpt", cluster=cluster, global_batch=BATCH, seq_len=facts.seq_len,
+                               fixed=fixed))
+    assert f"recompute_layers={'/'.join(map(str, best.strategy.recompute_layers))}" in text
+    assert f"recompute {best.strategy.recompute_layers[0]} layers" in text
     plan = build_plan(best, graph, facts, cluster)
     assert plan.strategy.recompute_layers == best.strategy.recompute_layers
     assert plan.recompute_modules == recomputed_units(best.stages, best.strategy)
