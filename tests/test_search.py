@@ -9,10 +9,9 @@ from autopar.errors import AutoparError
 from autopar.graph import trace
 from autopar.models import build_model
 from autopar.plan import Plan, Strategy
-from cost_models.evaluate import evaluate
 from cost_models.facts import model_facts
 from cost_models.strategy import check_strategy
-from cost_models.whatif import completions, head_vocab
+from cost_models.whatif import completions, evaluate_fitted
 from searcher.plan_builder import build_plan
 from searcher.search import search
 
@@ -33,7 +32,8 @@ def exhaustive_best(graph, facts, cluster, global_batch, fixed=None):
             check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=8, heads=8)
         except AutoparError:
             continue
-        result = evaluate(facts, cluster, strategy, global_batch, vocab=head_vocab(facts, strategy))  # as the search
+        # as the search prices it: Megatron's head, recompute counts fitted to memory
+        result = evaluate_fitted(facts, cluster, strategy, global_batch, exact=True)
         if result.fits and (best is None or result.step_time_s < best.step_time_s):
             best = result
     return best
