@@ -31,9 +31,11 @@ def test_a_killed_rank_restarts_and_the_job_ends_exactly_where_an_uninterrupted_
     log = outcome["log"]
     assert outcome["returncode"] == 0, log[-3000:]
     assert outcome["killed_after_step"] is not None and outcome["killed_after_step"] >= 3
-    assert "exitcode: -9" in log  # torchrun saw the SIGKILL and restarted the workers
+    # torchrun saw a worker fail (the killed one, -9, or its peer, which exits 1 on the broken
+    # connection; whichever it notices first) and started a second round
+    assert "failed (exitcode:" in log and log.count("training gpt") == 2, log[-3000:]
     assert outcome["resumed"], log[-3000:]  # from step 2 or later, not from scratch
-    assert "Traceback" not in log.split("exitcode: -9")[-1]  # the restarted round ran cleanly
+    assert "Traceback" not in log.split("failed (exitcode:")[-1]  # the restarted round ran cleanly
     actual = fault_injection.final_state(tmp_path / "killed" / "checkpoints", STEPS)
     assert fault_injection.differences(expected, actual) == []
     keys = _flat_keys(expected)  # the comparison covered weights and optimizer moments
