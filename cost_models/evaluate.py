@@ -306,7 +306,7 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
         if trial.fits:
             return trial if trial.step_time_s <= evaluation.step_time_s else evaluation
         full_ranks = {r for r, m in enumerate(trial.memory) if m.total_bytes > trial.capacity_bytes}
-        counts = one_more_layer(counts, stages, s.pp, full_ranks)
+        counts = one_more_layer(counts, layers, s.pp, full_ranks)
     return evaluation
 
 

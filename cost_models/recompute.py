@@ -101,12 +101,13 @@ def spread_layers(total: int, sizes: Sequence[int]) -> list[int]:
     return counts
 
 
-def one_more_layer(counts: Sequence[int], stages: Sequence[Sequence[Unit]], pp: int, ranks: set[int]) -> tuple[int, ...]:
-    """`counts` with one more recomputed layer on each of `ranks` (spread as `spread_layers` does)."""
+def one_more_layer(counts: Sequence[int], layers: Sequence[int], pp: int, ranks: set[int]) -> tuple[int, ...]:
+    """`counts` with one more recomputed layer on each of `ranks` (spread as `spread_layers` does);
+    `layers`: how many layers each stage holds."""
     result = list(counts)
     for rank in ranks:
-        chunks = list(range(rank, len(stages), pp))
-        sizes = [sum(1 for u in stages[c] if u.layer_type is not None) for c in chunks]
+        chunks = list(range(rank, len(layers), pp))
+        sizes = [layers[c] for c in chunks]
         for c, k in zip(chunks, spread_layers(sum(counts[c] for c in chunks) + 1, sizes)):
             result[c] = k
     return tuple(result)
