@@ -4,6 +4,11 @@ Data flows one way: model → op graph → profile → costs → search → plan
 """
 
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from autopar import _source_tree
+
+_source_tree.install(Path(__file__).resolve().parent)  # before any stage is imported
 
 try:
     __version__ = version("autopar")
@@ -17,7 +22,7 @@ from autopar.graph import OpGraph, model_fingerprint, trace
 
 def parallelize(model, plan, **kwargs):
     """Shard `model` as `plan` says on the running process group (see runtime.parallelize)."""
-    from runtime.parallelize import parallelize as _parallelize  # torch.distributed only when asked for
+    from autopar.runtime.parallelize import parallelize as _parallelize  # torch.distributed only when asked for
 
     return _parallelize(model, plan, **kwargs)
 

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     inspect.set_defaults(handler=_inspect)
 
-    from profiler.cli import add_profile_command
+    from autopar.profiler.cli import add_profile_command
     from autopar.data_cli import add_data_command
 
     add_profile_command(commands)
@@ -131,12 +131,12 @@ def _plan(args: argparse.Namespace) -> int:
     from autopar.io import atomic_write_text
     from autopar.models import build_model
     from autopar.plan_report import plan_summary, render
-    from cost_models.facts import model_facts
-    from cost_models.strategy import parse_strategy
-    from searcher.plan_builder import build_plan
-    from searcher.search import search
+    from autopar.cost_models.facts import model_facts
+    from autopar.cost_models.strategy import parse_strategy
+    from autopar.searcher.plan_builder import build_plan
+    from autopar.searcher.search import search
 
-    from cost_models.whatif import _check_fixed_degrees
+    from autopar.cost_models.whatif import _check_fixed_degrees
 
     from autopar.report_html import check_output_path
 
@@ -158,7 +158,7 @@ def _plan(args: argparse.Namespace) -> int:
                         kv_heads=config.num_kv_heads if config else None, vocab=config.vocab if config else None)
     efficiency = _calibration(args, graph, cluster) if args.profile else None
     print(f"searching {cluster.world_size} GPUs ...", file=sys.stderr, flush=True)
-    from runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel import capabilities_for
 
     result = search(graph, facts, cluster, args.global_batch, fixed=fixed, use_ilp=not args.no_ilp,
                     capabilities=capabilities_for(spec.module),
@@ -188,7 +188,7 @@ def _plan(args: argparse.Namespace) -> int:
         atomic_write_text(args.trace, render_trace(summary))
         print(f"wrote trace {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
     if result.best is None:
-        from cost_models.memory import state_bytes_per_param
+        from autopar.cost_models.memory import state_bytes_per_param
 
         per = state_bytes_per_param(facts.precision)
         states = facts.num_params * (per.weight + per.gradient + per.optimizer)
@@ -209,8 +209,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _calibration(args: argparse.Namespace, graph, cluster):
-    from cost_models.calibration import calibrate_from_database
-    from profiler.database import ProfileDB
+    from autopar.cost_models.calibration import calibrate_from_database
+    from autopar.profiler.database import ProfileDB
 
     with ProfileDB(args.profile, readonly=True) as db:
         devices = db.devices()

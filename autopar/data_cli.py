@@ -48,7 +48,7 @@ def add_data_command(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def run_prepare(args: argparse.Namespace) -> int:
     if args.shard_tokens is not None and args.shard_tokens <= 0:
         raise AutoparError(f"--shard-tokens must be a positive number of tokens, got {args.shard_tokens}")
-    from runtime.data_prepare import DEFAULT_SHARD_TOKENS, prepare_tokens, stderr_progress
+    from autopar.runtime.data_prepare import DEFAULT_SHARD_TOKENS, prepare_tokens, stderr_progress
 
     print(f"preparing {', '.join(args.input)} -> {args.out} ...", file=sys.stderr, flush=True)
     summary = prepare_tokens(args.input, args.out, tokenizer=args.tokenizer, progress=stderr_progress(),
@@ -62,7 +62,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from runtime.data import TokenDataset
+    from autopar.runtime.data import TokenDataset
 
     dataset = TokenDataset(args.path)
     if args.verify:

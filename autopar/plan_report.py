@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from cost_models.evaluate import Evaluation
+from autopar.cost_models.evaluate import Evaluation
 
 GiB = 2**30
 

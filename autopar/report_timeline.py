@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cost_models.pipeline import simulate
+from autopar.cost_models.pipeline import simulate
 
 
 def schedule_inputs(summary: dict[str, Any]) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def _peer_failure(error: RuntimeError) -> bool:
 
 def _run(args: RunConfig, env: Environment) -> int:
     from autopar.models import build_model
-    from cost_models.strategy import parse_strategy
+    from autopar.cost_models.strategy import parse_strategy
 
     args.check()
     check_profile_outputs(args)
@@ -179,11 +179,11 @@ def _plan_global_batch(plan, requested: int | None) -> int:
 
 def _search(spec, cluster, fixed: dict[str, Any], global_batch: int, seq_len: int, precision: str, env: Environment):
     from autopar.graph import trace
-    from cost_models.facts import model_facts
-    from cost_models.whatif import _check_fixed_degrees
-    from searcher.plan_builder import build_plan
-    from runtime.tensor_parallel import capabilities_for
-    from searcher.search import search
+    from autopar.cost_models.facts import model_facts
+    from autopar.cost_models.whatif import _check_fixed_degrees
+    from autopar.searcher.plan_builder import build_plan
+    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.searcher.search import search
 
     _check_fixed_degrees(fixed, cluster.world_size)  # before the trace
     say = env.rank == 0
@@ -244,7 +244,7 @@ def _print_dry_run(plan, model: str, env: Environment, global_batch: int, seq_le
 
 
 def _init_process_group(env: Environment) -> None:
-    from runtime.launch import init_process_group
+    from autopar.runtime.launch import init_process_group
 
     init_process_group(env.world_size, env.rank, env.local_rank)
 
@@ -254,7 +254,7 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
     import torch
     import torch.distributed as dist
 
-    from runtime.parallelize import parallelize
+    from autopar.runtime.parallelize import parallelize
 
     had_group = dist.is_available() and dist.is_initialized()
     _init_process_group(env)
@@ -275,7 +275,7 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
             described = (f"synthetic (random walks on a random permutation of the {spec.config.vocab}-token "
                          f"vocabulary, seed {args.seed})")
         else:
-            from runtime.data import TokenLoader
+            from autopar.runtime.data import TokenLoader
 
             data = TokenLoader(dataset, seq_len, global_batch, dp_rank=parallel.layout.dp_rank,
                                dp_size=parallel.layout.size("dp"), seed=args.seed, device=device)
@@ -319,7 +319,7 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
 def _checkpointer(args):
     if args.checkpoint_dir is None:
         return None
-    from runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint import Checkpointer
 
     return Checkpointer(args.checkpoint_dir, keep_last=args.keep_last, async_save=args.async_checkpoint)
 
@@ -327,7 +327,7 @@ def _checkpointer(args):
 def _resume(args, env: Environment, checkpointer, parallel, optimizer, data) -> int:
     """Load the checkpoint `--resume` names (weights, optimizer, generators, data position); returns its
     step (0: starting fresh). Every refusal comes before the first step."""
-    from runtime.checkpoint import Checkpointer, CheckpointError
+    from autopar.runtime.checkpoint import Checkpointer, CheckpointError
 
     if args.resume == "none":
         return 0

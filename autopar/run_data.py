@@ -61,7 +61,7 @@ class SyntheticTokens:
 def open_data(data: str | None, vocab: int, seq_len: int, global_batch: int):
     """The dataset to train on (None: the synthetic stream), checked against the model before any
     process group or step, so every rank refuses bad data with the same line."""
-    from runtime.data import TokenDataset, default_corpus
+    from autopar.runtime.data import TokenDataset, default_corpus
 
     if data == SYNTHETIC:
         return None

@@ -15,8 +15,8 @@ import json
 import platform
 from pathlib import Path
 
-from cost_models.whatif import what_if
-from searcher.search import search
+from autopar.cost_models.whatif import what_if
+from autopar.searcher.search import search
 from validate_published import published_setup  # the same graph and fixed keys as the validation
 
 RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json"

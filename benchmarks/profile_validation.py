@@ -33,9 +33,9 @@ def profiled_step(model: str, overrides: str | None, *, batch: int, seq_len: int
     """Profile the step's signatures into `db_path` and price one step from the database."""
     from autopar.graph import trace
     from autopar.models import build_model
-    from profiler.database import ProfileDB
-    from profiler.graph_profile import estimate_step, profile_graph
-    from profiler.operators import device_name, stderr_progress
+    from autopar.profiler.database import ProfileDB
+    from autopar.profiler.graph_profile import estimate_step, profile_graph
+    from autopar.profiler.operators import device_name, stderr_progress
 
     spec = build_model(model, overrides)
     graph = trace(spec.module, spec.example_inputs(batch, seq_len), loss_fn=spec.loss_fn, precision=precision,
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from profiler.operators import device_name
+    from autopar.profiler.operators import device_name
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("profile_validation: no CUDA GPU here; run it on the GPU machine (or pass --device cpu)", file=sys.stderr)

@@ -90,7 +90,7 @@ def token_batch(spec, args) -> torch.Tensor:
 
 def plain_variant(args, compiled: bool) -> dict:
     """(a)/(b): the model as a plain module on the device, nothing of autopar's runtime."""
-    from runtime.init import InitSource, materialize
+    from autopar.runtime.init import InitSource, materialize
 
     spec = build_model(args.model, args.model_config)
     model = copy.deepcopy(spec.module)  # the runtime's initial weights, so every variant's first loss agrees
@@ -127,7 +127,7 @@ def runtime_variant(args, plan, compiled: bool) -> dict:
     """(c)/(d): `autopar run`'s step (ParallelModel.train_step) on the searched plan."""
     import torch.distributed as dist
 
-    from runtime.parallelize import parallelize
+    from autopar.runtime.parallelize import parallelize
 
     spec = build_model(args.model, args.model_config)
     had_group = dist.is_initialized()

@@ -21,12 +21,12 @@ from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.graph import trace
 from autopar.models import build_model
-from cost_models.evaluate import evaluate, partition, with_fewest_recomputed_layers
-from cost_models.facts import model_facts
-from cost_models.strategy import check_strategy
-from cost_models.whatif import completions, head_vocab
-from runtime.tensor_parallel import capabilities_for
-from searcher.search import search
+from autopar.cost_models.evaluate import evaluate, partition, with_fewest_recomputed_layers
+from autopar.cost_models.facts import model_facts
+from autopar.cost_models.strategy import check_strategy
+from autopar.cost_models.whatif import completions, head_vocab
+from autopar.runtime.tensor_parallel import capabilities_for
+from autopar.searcher.search import search
 
 CASES = [
     # (label, model, cluster, gpus, global batch, seq, fixed strategy keys)

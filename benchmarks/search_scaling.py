@@ -17,9 +17,9 @@ import time
 from autopar.cluster import load_cluster
 from autopar.graph import trace
 from autopar.models import build_model
-from cost_models.facts import model_facts
-from runtime.tensor_parallel import capabilities_for
-from searcher.search import search
+from autopar.cost_models.facts import model_facts
+from autopar.runtime.tensor_parallel import capabilities_for
+from autopar.searcher.search import search
 
 CASES = [
     # (label, model, overrides, cluster, gpus, global batch, seq)

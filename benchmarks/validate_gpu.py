@@ -25,8 +25,8 @@ from autopar.cluster import load_cluster
 from autopar.graph import trace
 from autopar.models import build_model
 from autopar.plan import Strategy
-from cost_models.evaluate import evaluate
-from cost_models.facts import model_facts
+from autopar.cost_models.evaluate import evaluate
+from autopar.cost_models.facts import model_facts
 
 
 def measure(name: str, overrides: str | None, batch: int, seq_len: int, recompute: bool, device: str,

@@ -23,8 +23,8 @@ from pathlib import Path
 from autopar.cluster import load_cluster
 from autopar.graph import trace
 from autopar.models import build_model
-from cost_models.facts import model_facts
-from cost_models.whatif import what_if
+from autopar.cost_models.facts import model_facts
+from autopar.cost_models.whatif import what_if
 
 DEFAULT_RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json"
 VOCAB = 51200

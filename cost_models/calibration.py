@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cluster import GpuSpec
 from autopar.graph.ir import OpGraph, OpNode
-from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 
 _LARGE_BYTES = 2**20
 _SMALL_BYTES = 64 * 2**10
@@ -71,7 +71,7 @@ def calibrate(graph: OpGraph, times_s: dict[str, float], gpu: GpuSpec, device_na
 
 def calibrate_from_database(graph: OpGraph, db, gpu: GpuSpec, device_name: str) -> Calibration:
     """Look up every node of `graph` (at its traced shape) in a `profiler.database.ProfileDB`."""
-    from profiler.signatures import needs_profile, signature_of
+    from autopar.profiler.signatures import needs_profile, signature_of
 
     times = {}
     for node in graph.nodes:

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 from autopar.graph.ir import OpGraph, OpNode
 from autopar.plan import Strategy
-from cost_models.facts import OpFacts, Unit
-from cost_models.recompute import stage_policies
+from autopar.cost_models.facts import OpFacts, Unit
+from autopar.cost_models.recompute import stage_policies
 
 GRADIENT_REDUCE_BYTES = 4  # fp32 gradient reduction, whatever the compute precision
 BUCKET_BYTES = 25 * 2**20  # the runtime's zero-0 gradient bucket

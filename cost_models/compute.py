@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cluster import GpuSpec
-from cost_models.facts import OpFacts, Unit
+from autopar.cost_models.facts import OpFacts, Unit
 
 
 @dataclass(frozen=True)

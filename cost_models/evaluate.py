@@ -20,17 +20,17 @@ from typing import Callable
 
 from autopar.cluster import ClusterSpec
 from autopar.plan import Strategy
-from cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
+from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
                                      sequence_parallel_gradient_reductions, tied_across_ranks,
                                      vocab_parallel_head_collectives)
-from cost_models.communication import collective_time_s, group_layout
-from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, UnitTime, unit_time
-from cost_models.facts import ModelFacts, Unit
-from cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, device_memory,
+from autopar.cost_models.communication import collective_time_s, group_layout
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, UnitTime, unit_time
+from autopar.cost_models.facts import ModelFacts, Unit
+from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, device_memory,
                                 state_bytes_per_param, usable_bytes)
-from cost_models.pipeline import PipelineResult, estimate, simulate
-from cost_models.recompute import fewest_recomputed_layers, one_more_layer, stage_policies
-from cost_models.strategy import even_stage_layers
+from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
+from autopar.cost_models.recompute import fewest_recomputed_layers, one_more_layer, stage_policies
+from autopar.cost_models.strategy import even_stage_layers
 
 # Adam step traffic per parameter: read fp32 master, two moments and the gradient, write master,
 # moments and the low-precision weight copy (about 28 bytes either way).

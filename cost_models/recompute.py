@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autopar.plan import Strategy
-from cost_models.facts import Unit
+from autopar.cost_models.facts import Unit
 
 
 def stage_policies(units: Sequence[Unit], strategy: Strategy, stage_index: int) -> list[str]:

@@ -14,10 +14,10 @@ from typing import Any, Callable, Iterator
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
 from autopar.plan import Strategy
-from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
-from cost_models.evaluate import Evaluation, evaluate, partition, with_fewest_recomputed_layers
-from cost_models.facts import ModelFacts
-from cost_models.strategy import check_strategy
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
+from autopar.cost_models.evaluate import Evaluation, evaluate, partition, with_fewest_recomputed_layers
+from autopar.cost_models.facts import ModelFacts
+from autopar.cost_models.strategy import check_strategy
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 VP_CHOICES = (2, 3, 4, 6, 8)

@@ -8,9 +8,9 @@
     cli             `autopar profile`
 """
 
-from profiler.database import ProfileDB
-from profiler.records import CollectiveFit, OpRecord, OpTiming
-from profiler.signatures import OpSignature, scale_signature, sharded_variants, signature_of, unique_signatures
+from autopar.profiler.database import ProfileDB
+from autopar.profiler.records import CollectiveFit, OpRecord, OpTiming
+from autopar.profiler.signatures import OpSignature, scale_signature, sharded_variants, signature_of, unique_signatures
 
 __all__ = [
     "CollectiveFit", "OpRecord", "OpSignature", "OpTiming", "ProfileDB", "scale_signature", "sharded_variants",

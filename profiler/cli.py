@@ -83,9 +83,9 @@ def _profile_ops(args: argparse.Namespace) -> int:
         raise AutoparError("--device cuda but this machine has no usable CUDA GPU; use --device cpu or run on a GPU")
     from autopar.graph import trace
     from autopar.models import build_model
-    from profiler.database import ProfileDB
-    from profiler.graph_profile import profile_graph
-    from profiler.operators import stderr_progress
+    from autopar.profiler.database import ProfileDB
+    from autopar.profiler.graph_profile import profile_graph
+    from autopar.profiler.operators import stderr_progress
 
     with ProfileDB(args.db) as db:  # opened before the trace: a bad path fails fast
         spec = build_model(args.model, args.model_config)
@@ -110,13 +110,13 @@ def _profile_ops(args: argparse.Namespace) -> int:
 
 
 def _profile_collectives(args: argparse.Namespace) -> int:
-    from profiler.collectives import COLLECTIVES, default_sizes, finish, profile_collectives, require_torchrun_env
+    from autopar.profiler.collectives import COLLECTIVES, default_sizes, finish, profile_collectives, require_torchrun_env
 
     require_torchrun_env()  # before touching the database or torch.distributed
     ops = tuple(o.strip() for o in args.collective_ops.split(",")) if args.collective_ops else COLLECTIVES
     import torch
 
-    from profiler.database import ProfileDB
+    from autopar.profiler.database import ProfileDB
 
     gpu = torch.cuda.is_available()
     max_bytes = parse_bytes(args.max_bytes) if args.max_bytes else (2**30 if gpu else 16 * 2**20)

@@ -24,7 +24,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from autopar.errors import AutoparError
-from profiler.records import CollectiveFit
+from autopar.profiler.records import CollectiveFit
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LEVELS = ("intra_node", "inter_node", "all")
@@ -202,7 +202,7 @@ def profile_collectives(
     import torch
     import torch.distributed as dist
 
-    from profiler.operators import device_name
+    from autopar.profiler.operators import device_name
 
     unknown = [c for c in collectives if c not in COLLECTIVES]
     if unknown:

@@ -18,7 +18,7 @@ from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.io import atomic_write_text
-from profiler.records import CollectiveFit, OpRecord, OpTiming
+from autopar.profiler.records import CollectiveFit, OpRecord, OpTiming
 
 FORMAT = "autopar-profile"
 SCHEMA_VERSION = 1

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from autopar.graph.ir import OpGraph, OpNode
-from profiler.database import ProfileDB
-from profiler.operators import ProgressFn, device_name, profile_signatures
-from profiler.signatures import (
+from autopar.profiler.database import ProfileDB
+from autopar.profiler.operators import ProgressFn, device_name, profile_signatures
+from autopar.profiler.signatures import (
     DEFAULT_MICROBATCHES, DEFAULT_TP_DEGREES, needs_profile, scale_signature, signature_of, signatures_to_profile,
     unique_signatures,
 )

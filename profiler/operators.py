@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from profiler.records import OpTiming
-from profiler.signatures import OpSignature, op_packet
+from autopar.profiler.records import OpTiming
+from autopar.profiler.signatures import OpSignature, op_packet
 
 DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -5,6 +5,6 @@ gradient sync, FSDP2 for ZeRO 1-3), pipeline (stages and schedules), recompute, 
 (sharding-independent initialization of local shards), parallelize (the composition and the step).
 """
 
-from runtime.parallelize import ParallelModel, parallelize
+from autopar.runtime.parallelize import ParallelModel, parallelize
 
 __all__ = ["ParallelModel", "parallelize"]

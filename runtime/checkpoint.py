@@ -43,8 +43,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from autopar.errors import AutoparError
-from runtime import checkpoint_state as state_io
-from runtime.checkpoint_files import (LATEST, MANIFEST, STATE_FILE, CheckpointError, file_digests, fsync_directory,
+from autopar.runtime import checkpoint_state as state_io
+from autopar.runtime.checkpoint_files import (LATEST, MANIFEST, STATE_FILE, CheckpointError, file_digests, fsync_directory,
                                       read_pointer, step_name, verify_checkpoint, write_durably)
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointInfo", "step_name", "verify_checkpoint"]

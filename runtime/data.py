@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from autopar.errors import AutoparError
-from runtime.data_corpus import default_corpus
-from runtime.data_prepare import (FORMAT, FORMAT_VERSION, INDEX_NAME, PrepareSummary, dataset_fingerprint,
+from autopar.runtime.data_corpus import default_corpus
+from autopar.runtime.data_prepare import (FORMAT, FORMAT_VERSION, INDEX_NAME, PrepareSummary, dataset_fingerprint,
                                   prepare_tokens, stderr_progress)
 
 __all__ = ["TokenDataset", "TokenLoader", "PrepareSummary", "prepare_tokens", "default_corpus", "stderr_progress"]

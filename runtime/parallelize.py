@@ -23,14 +23,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan import Plan
-from runtime.compile import compile_blocks
-from runtime.data_parallel import all_reduce_gradients, apply_fsdp, set_microbatch_boundary
-from runtime.init import InitSource, materialize
-from runtime.mesh import RankLayout, build_layout
-from runtime.pipeline import build_schedule, check_stage_cover, stage_module, tied_pp_ranks
-from runtime.precision import autocast, fsdp_policy
-from runtime.recompute import apply_recompute
-from runtime.tensor_parallel import apply_tensor_parallel, capabilities_for, default_head_path, tp_placement
+from autopar.runtime.compile import compile_blocks
+from autopar.runtime.data_parallel import all_reduce_gradients, apply_fsdp, set_microbatch_boundary
+from autopar.runtime.init import InitSource, materialize
+from autopar.runtime.mesh import RankLayout, build_layout
+from autopar.runtime.pipeline import build_schedule, check_stage_cover, stage_module, tied_pp_ranks
+from autopar.runtime.precision import autocast, fsdp_policy
+from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, capabilities_for, default_head_path, tp_placement
 
 
 @dataclass

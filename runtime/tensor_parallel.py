@@ -43,7 +43,7 @@ def default_head_path(model: nn.Module) -> str | None:
 def capabilities_for(model: nn.Module) -> Capabilities:
     """The runtime's capability table for `model`: the placement check bound to it, and what it cannot
     run at all (so the searcher never offers it)."""
-    from runtime.pipeline import pipeline_refusal
+    from autopar.runtime.pipeline import pipeline_refusal
 
     return dataclasses.replace(RUNTIME_CAPABILITIES,
                                check_placements=lambda placements: check_tp_placements(model, placements, sp=False),

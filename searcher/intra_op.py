@@ -64,11 +64,11 @@ from dataclasses import dataclass, field
 from autopar.capabilities import TpRules
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph, OpNode, TensorMeta
-from cost_models.communication import collective_time_s, group_layout
-from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, op_time_s
-from cost_models.facts import OpFacts, Unit
-from searcher.intra_op_rules import equal, forbidden
-from searcher.intra_op_strategies import (P, R, S, gradient_tensors, input_names, op_strategies, shard_dim, shardable,
+from autopar.cost_models.communication import collective_time_s, group_layout
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, op_time_s
+from autopar.cost_models.facts import OpFacts, Unit
+from autopar.searcher.intra_op_rules import equal, forbidden
+from autopar.searcher.intra_op_strategies import (P, R, S, gradient_tensors, input_names, op_strategies, shard_dim, shardable,
                                           through_views, trace_views)
 
 _US = 1e6  # the solver works in µs

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
 from autopar.plan import Strategy
-from cost_models.facts import ModelFacts
-from cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, model_state_bytes, usable_bytes
-from cost_models.pipeline import estimate
-from cost_models.strategy import even_stage_layers
+from autopar.cost_models.facts import ModelFacts
+from autopar.cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, model_state_bytes, usable_bytes
+from autopar.cost_models.pipeline import estimate
+from autopar.cost_models.strategy import even_stage_layers
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph
 from autopar.plan import CollectiveRecord, MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
-from cost_models.collectives import placed_units, step_collectives
-from cost_models.facts import ModelFacts
-from cost_models.recompute import recomputed_units
-from searcher.search import Candidate, planned_tp_placements
+from autopar.cost_models.collectives import placed_units, step_collectives
+from autopar.cost_models.facts import ModelFacts
+from autopar.cost_models.recompute import recomputed_units
+from autopar.searcher.search import Candidate, planned_tp_placements
 
 
 def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster: ClusterSpec) -> Plan:

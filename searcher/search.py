@@ -27,17 +27,17 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
 from autopar.graph.ir import OpGraph, TensorMeta
 from autopar.plan import Strategy
-from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
-from cost_models.communication import collective_time_s, group_layout
-from cost_models.evaluate import (Evaluation, evaluate, partition as even_partition, unit_activation_bytes,
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
+from autopar.cost_models.communication import collective_time_s, group_layout
+from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition, unit_activation_bytes,
                                   with_fewest_recomputed_layers)
-from cost_models.collectives import placed_units
-from cost_models.facts import ModelFacts, Unit, model_facts
-from cost_models.memory import model_state_bytes, usable_bytes
-from cost_models.strategy import check_strategy
-from cost_models.whatif import fit_recompute, head_vocab, quick_evaluations, unfitted
-from searcher.inter_op import UnitCost, partition as dp_partition
-from searcher.memory_budget import LayerBudget, layer_budget
+from autopar.cost_models.collectives import placed_units
+from autopar.cost_models.facts import ModelFacts, Unit, model_facts
+from autopar.cost_models.memory import model_state_bytes, usable_bytes
+from autopar.cost_models.strategy import check_strategy
+from autopar.cost_models.whatif import fit_recompute, head_vocab, quick_evaluations, unfitted
+from autopar.searcher.inter_op import UnitCost, partition as dp_partition
+from autopar.searcher.memory_budget import LayerBudget, layer_budget
 
 REFINE_TOP = 12
 
@@ -153,7 +153,7 @@ class _Refiner:
         if strategy.tp == 1 or not self.use_ilp:
             return {}, {}
         try:
-            from searcher.intra_op import solve_unit
+            from autopar.searcher.intra_op import solve_unit
         except ImportError:  # the ILP is optional: the Megatron-style propagation stands in
             return {}, {}
         op_placements: dict[str, str] = {}

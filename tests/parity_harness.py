@@ -51,10 +51,10 @@ def plan_for(module, example_inputs, loss_fn, *, name: str, seq_len: int, heads:
     for this module, build the plan: the path a user's own model takes."""
     from autopar.cluster import load_cluster
     from autopar.graph import trace
-    from cost_models.facts import model_facts
-    from runtime.tensor_parallel import capabilities_for
-    from searcher.plan_builder import build_plan
-    from searcher.search import search
+    from autopar.cost_models.facts import model_facts
+    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.searcher.plan_builder import build_plan
+    from autopar.searcher.search import search
 
     graph = trace(module, example_inputs, loss_fn=loss_fn, precision="fp32", name=name, seq_len=seq_len)
     facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
@@ -83,8 +83,8 @@ def train_reference(module, loss_fn, data: list[torch.Tensor]) -> tuple[list[flo
 
 def train_parallel(module, loss_fn, plan, data: list[torch.Tensor]) -> dict:
     """`run_job` for any module: parallelize, train, count the last step's collectives, gather weights."""
-    from runtime.collectives import CollectiveCounter, group_axes
-    from runtime.parallelize import parallelize
+    from autopar.runtime.collectives import CollectiveCounter, group_axes
+    from autopar.runtime.parallelize import parallelize
 
     parallel = parallelize(module, plan, loss_fn=loss_fn, seed=SEED)
     optimizer = make_optimizer(parallel.parameters())
@@ -108,7 +108,7 @@ def batches(vocab: int, global_batch: int, seq_len: int, steps: int) -> list[tor
 def reference_run(model: str, overrides: dict, data: list[torch.Tensor]) -> tuple[list[float], dict]:
     """One process, whole batch, same init and optimizer: what every plan must reproduce."""
     from autopar.models import build_model
-    from runtime.init import InitSource, materialize
+    from autopar.runtime.init import InitSource, materialize
 
     spec = build_model(model, overrides)
     module = copy.deepcopy(spec.module)
@@ -138,13 +138,13 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict], outdir: str, run
 def run_job(job: dict) -> dict | None:
     from autopar.models import build_model
     from autopar.plan import Plan
-    from runtime.parallelize import parallelize
+    from autopar.runtime.parallelize import parallelize
 
     plan = Plan.from_json(job["plan"])
     spec = build_model(job["model"], job["overrides"])
     parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=SEED)
     optimizer = make_optimizer(parallel.parameters())
-    from runtime.collectives import CollectiveCounter, group_axes
+    from autopar.runtime.collectives import CollectiveCounter, group_axes
 
     placements = parallel.executed_placements()
     losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in job["data"][:-1]]

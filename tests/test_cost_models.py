@@ -7,12 +7,12 @@ from autopar.errors import AutoparError
 from autopar.graph import trace
 from autopar.models import build_model
 from autopar.plan import Strategy
-from cost_models.communication import collective_time_s, flat_collective_time_s, group_layout
-from cost_models.evaluate import evaluate
-from cost_models.facts import model_facts
-from cost_models.memory import model_state_bytes
-from cost_models.pipeline import estimate, simulate
-from cost_models.strategy import check_strategy, parse_strategy
+from autopar.cost_models.communication import collective_time_s, flat_collective_time_s, group_layout
+from autopar.cost_models.evaluate import evaluate
+from autopar.cost_models.facts import model_facts
+from autopar.cost_models.memory import model_state_bytes
+from autopar.cost_models.pipeline import estimate, simulate
+from autopar.cost_models.strategy import check_strategy, parse_strategy
 
 CLUSTER = load_cluster("dgx-a100-80gb", gpus=16)
 LINK = CLUSTER.intra_node
@@ -135,7 +135,7 @@ def test_each_pipeline_rank_computes_its_own_stages(facts):
 
 
 def test_tensor_parallel_all_reduces_per_layer(facts):
-    from cost_models.compute import unit_time
+    from autopar.cost_models.compute import unit_time
 
     layer = facts.units[facts.layer_units[0]]
     timing = unit_time(layer, CLUSTER.gpu, "bf16", batch=1, tp=2, sp=False)
@@ -174,7 +174,7 @@ def test_invalid_strategies_name_the_rule(changes, batch, words):
 # --- calibration from profiles --------------------------------------------------------------------
 def test_calibration_recovers_known_efficiencies():
     from autopar.cluster import GpuSpec
-    from cost_models.calibration import calibrate
+    from autopar.cost_models.calibration import calibrate
 
     spec = build_model("gpt", "layers=2,hidden=256,heads=4,vocab=512,seq_len=128")
     graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="bf16")
@@ -201,8 +201,8 @@ def test_calibration_recovers_known_efficiencies():
 
 
 def test_calibration_without_samples_keeps_the_documented_defaults():
-    from cost_models.calibration import calibrate
-    from cost_models.compute import DEFAULT_EFFICIENCY
+    from autopar.cost_models.calibration import calibrate
+    from autopar.cost_models.compute import DEFAULT_EFFICIENCY
 
     spec = build_model("gpt", "layers=1,hidden=64,heads=4,vocab=100,seq_len=16")
     graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16")
@@ -220,8 +220,8 @@ def tiny_gpt():
 
 
 def _placed_ledger(graph, facts, placements, s, rank=0):
-    from cost_models.collectives import placed_units, step_collectives
-    from cost_models.evaluate import partition
+    from autopar.cost_models.collectives import placed_units, step_collectives
+    from autopar.cost_models.evaluate import partition
 
     placed = placed_units(graph, facts.units, placements, s.microbatch)
     stages = [[placed.units[u.name] for u in units] for units in partition(facts, s.pp * s.vp)]
@@ -264,8 +264,8 @@ def tiny_llama():
 
 
 def _placed_megatron_is_propagated(graph, facts, changes):
-    from cost_models.collectives import step_collectives
-    from cost_models.evaluate import partition
+    from autopar.cost_models.collectives import step_collectives
+    from autopar.cost_models.evaluate import partition
 
     s = strategy(**{"pp": 2, "microbatch": 2, "num_microbatches": 4, **changes})
     megatron = {name: f"S({dim})" for name, dim in facts.param_tp_dims.items()}
@@ -319,7 +319,7 @@ def test_placed_ledger_follows_each_layer_placement(tiny_gpt):
 
 
 def test_what_if_charges_the_vocabulary_parallel_head_under_tp(facts):
-    from cost_models.whatif import what_if
+    from autopar.cost_models.whatif import what_if
 
     fixed = dict(dp=2, tp=2, pp=4, microbatch=1, zero=0, recompute="none", sp=False, schedule="1f1b", vp=1)
     result = what_if(facts, CLUSTER, fixed, 16, layers=8, top_k=1)
@@ -331,8 +331,8 @@ def test_what_if_charges_the_vocabulary_parallel_head_under_tp(facts):
 
 
 def test_tied_embedding_gradient_sum_over_the_pipeline_is_charged(facts):
-    from cost_models.collectives import GRADIENT_REDUCE_BYTES, tied_across_ranks
-    from cost_models.evaluate import partition
+    from autopar.cost_models.collectives import GRADIENT_REDUCE_BYTES, tied_across_ranks
+    from autopar.cost_models.evaluate import partition
 
     s = strategy(dp=1, tp=1, pp=2, num_microbatches=16)
     result = evaluate(facts, CLUSTER, s, 16)

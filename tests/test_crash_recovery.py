@@ -70,7 +70,7 @@ def test_ranks_skip_a_store_announced_by_a_dead_round(monkeypatch):
     rank 1 must wait for rank 0's new store instead of failing on the old one."""
     from torch.distributed import TCPStore
 
-    from runtime import launch
+    from autopar.runtime import launch
 
     agent_port = _free_port()
     agent = TCPStore("127.0.0.1", agent_port, world_size=2, is_master=True, wait_for_workers=False,
@@ -99,7 +99,7 @@ def test_no_store_from_rank_0_is_one_clear_error(monkeypatch):
     from torch.distributed import TCPStore
 
     from autopar.errors import AutoparError
-    from runtime import launch
+    from autopar.runtime import launch
 
     agent_port = _free_port()
     agent = TCPStore("127.0.0.1", agent_port, world_size=2, is_master=True, wait_for_workers=False,

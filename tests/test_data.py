@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import runtime.data_prepare as data_prepare
+import autopar.runtime.data_prepare as data_prepare
 from autopar.cli import main
 from autopar.errors import AutoparError
-from runtime.data import TokenDataset, TokenLoader, default_corpus, prepare_tokens
+from autopar.runtime.data import TokenDataset, TokenLoader, default_corpus, prepare_tokens
 
 EOS = 256
 

@@ -138,9 +138,9 @@ def test_searcher_refuses_what_the_runtime_cannot_run(family, strategy, reason):
     from autopar.cluster import load_cluster
     from autopar.errors import AutoparError
     from autopar.graph import trace
-    from cost_models.facts import model_facts
-    from runtime.tensor_parallel import capabilities_for
-    from searcher.search import search
+    from autopar.cost_models.facts import model_facts
+    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.searcher.search import search
 
     with pytest.raises(AutoparError, match=reason):
         hf_plan(family, strategy, 2)
@@ -158,7 +158,7 @@ def test_searcher_refuses_what_the_runtime_cannot_run(family, strategy, reason):
 def test_a_forged_pipeline_plan_is_refused_before_any_collective():
     """A plan that bypassed the searcher gets one line from parallelize, not a hang or a crash in HF code."""
     from autopar.errors import AutoparError
-    from runtime.parallelize import parallelize
+    from autopar.runtime.parallelize import parallelize
 
     plan = hf_plan("llama", dict(dp=2, tp=1, pp=1, zero=0, microbatch=2), 2)
     forged = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"dp": 1, "pp": 2})})
@@ -170,7 +170,7 @@ def test_a_meta_device_hf_model_needs_real_weights():
     """HF modules without reset_parameters (RMSNorm) cannot be initialized from meta: the message says
     to pass the constructed model, whose weights then are the source (what the parity tests do)."""
     from autopar.errors import AutoparError
-    from runtime.init import InitSource
+    from autopar.runtime.init import InitSource
 
     with torch.device("meta"):
         model = hf_model("llama")

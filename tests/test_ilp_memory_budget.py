@@ -7,12 +7,12 @@ from autopar.cluster import load_cluster
 from autopar.graph import trace
 from autopar.models import build_model
 from autopar.plan import Strategy
-from cost_models.compute import DEFAULT_EFFICIENCY
-from cost_models.facts import model_facts
-from cost_models.memory import FRAGMENTATION_MARGIN, RESERVED_BYTES, usable_bytes
-from runtime.tensor_parallel import capabilities_for
-from searcher.memory_budget import layer_budget
-from searcher.search import _Refiner
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY
+from autopar.cost_models.facts import model_facts
+from autopar.cost_models.memory import FRAGMENTATION_MARGIN, RESERVED_BYTES, usable_bytes
+from autopar.runtime.tensor_parallel import capabilities_for
+from autopar.searcher.memory_budget import layer_budget
+from autopar.searcher.search import _Refiner
 
 pytest.importorskip("ortools")
 
@@ -68,7 +68,7 @@ def test_a_tight_layer_budget_makes_the_ilp_shard_what_it_would_replicate(tiny):
 
 
 def test_the_search_reports_its_budgeted_solves(tiny):
-    from searcher.search import search
+    from autopar.searcher.search import search
 
     spec, graph, facts = tiny
     budget = layer_budget(facts, load_cluster("dgx-h100", gpus=4), STRATEGY, 2)

@@ -11,12 +11,12 @@ from autopar.capabilities import TpBlock, TpRules
 from autopar.cluster import load_cluster
 from autopar.graph import trace
 from autopar.models import build_model
-from cost_models.compute import DEFAULT_EFFICIENCY
-from cost_models.facts import model_facts
-from runtime.tensor_parallel import capabilities_for
-from searcher.intra_op import solve_unit
-from searcher.intra_op_rules import equal, forbidden
-from searcher.search import _one_each, _Refiner, planned_tp_placements, search
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY
+from autopar.cost_models.facts import model_facts
+from autopar.runtime.tensor_parallel import capabilities_for
+from autopar.searcher.intra_op import solve_unit
+from autopar.searcher.intra_op_rules import equal, forbidden
+from autopar.searcher.search import _one_each, _Refiner, planned_tp_placements, search
 
 CLUSTER = load_cluster("dgx-h100", gpus=8)
 GLOBAL_BATCH = 32

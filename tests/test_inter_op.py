@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from searcher.inter_op import UnitCost, bottleneck_s, in_flight, partition
+from autopar.searcher.inter_op import UnitCost, bottleneck_s, in_flight, partition
 
 
 def brute_force(costs, stages, m, schedule, capacity):

@@ -11,12 +11,12 @@ from autopar.graph import trace
 from autopar.graph.ir import OpGraph, OpNode, ParamInfo, StepMemory, TensorMeta
 from autopar.models import build_model
 from autopar.plan import Strategy, parse_placements
-from cost_models.communication import collective_time_s, group_layout
-from cost_models.compute import unit_time
-from cost_models.evaluate import evaluate
-from cost_models.facts import model_facts
-from searcher.intra_op import UnitProblem, _Ilp, solve_unit
-from searcher.intra_op_strategies import op_strategies, view_dim_map
+from autopar.cost_models.communication import collective_time_s, group_layout
+from autopar.cost_models.compute import unit_time
+from autopar.cost_models.evaluate import evaluate
+from autopar.cost_models.facts import model_facts
+from autopar.searcher.intra_op import UnitProblem, _Ilp, solve_unit
+from autopar.searcher.intra_op_strategies import op_strategies, view_dim_map
 
 CLUSTER = load_cluster("dgx-h100", gpus=8)
 BF16 = "bfloat16"

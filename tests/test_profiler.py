@@ -20,16 +20,16 @@ import autopar.cli
 from autopar.errors import AutoparError
 from autopar.graph.ir import TensorMeta
 from autopar.models import build_model
-from profiler.cli import add_profile_command
-from profiler.collectives import (
+from autopar.profiler.cli import add_profile_command
+from autopar.profiler.collectives import (
     COLLECTIVES, cost_coefficients, default_sizes, fit_alpha_beta, group_layouts, profile_collectives,
     require_torchrun_env,
 )
-from profiler.database import ProfileDB
-from profiler.graph_profile import estimate_step, node_time_s, profile_graph
-from profiler.operators import device_name, profile_signatures, time_op
-from profiler.records import OpTiming
-from profiler.signatures import (
+from autopar.profiler.database import ProfileDB
+from autopar.profiler.graph_profile import estimate_step, node_time_s, profile_graph
+from autopar.profiler.operators import device_name, profile_signatures, time_op
+from autopar.profiler.records import OpTiming
+from autopar.profiler.signatures import (
     OpSignature, needs_profile, scale_signature, sharded_variants, signature_of, signatures_to_profile, token_dims,
     tp_dims, unique_signatures,
 )
@@ -326,8 +326,8 @@ def _free_port() -> int:
 def _gloo_worker(rank: int, port: int, db_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    from profiler.collectives import finish, profile_collectives
-    from profiler.database import ProfileDB
+    from autopar.profiler.collectives import finish, profile_collectives
+    from autopar.profiler.database import ProfileDB
 
     db = ProfileDB(db_path) if rank == 0 else None
     try:

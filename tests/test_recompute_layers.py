@@ -8,14 +8,14 @@ from autopar.graph import trace
 from autopar.models import build_model
 from autopar.plan import Strategy
 from autopar.plan_report import evaluation_summary, plan_summary, render
-from cost_models.collectives import step_collectives
-from cost_models.evaluate import evaluate, partition, with_fewest_recomputed_layers
-from cost_models.facts import model_facts
-from cost_models.memory import RESERVED_BYTES
-from cost_models.recompute import recomputed_units
-from cost_models.strategy import check_strategy, parse_strategy
-from searcher.plan_builder import build_plan
-from searcher.search import search
+from autopar.cost_models.collectives import step_collectives
+from autopar.cost_models.evaluate import evaluate, partition, with_fewest_recomputed_layers
+from autopar.cost_models.facts import model_facts
+from autopar.cost_models.memory import RESERVED_BYTES
+from autopar.cost_models.recompute import recomputed_units
+from autopar.cost_models.strategy import check_strategy, parse_strategy
+from autopar.searcher.plan_builder import build_plan
+from autopar.searcher.search import search
 
 CLUSTER = load_cluster("dgx-a100-80gb", gpus=16)
 BATCH = 64

@@ -21,7 +21,7 @@ from autopar.plan_report import (compare, coordinates, group_ranks, mesh_summary
 from autopar.report_html import SECTION_IDS, append_measured_section, render_html
 from autopar.report_svg import DETAIL_NODES, mesh_svg, timeline_svg
 from autopar.report_timeline import makespan_s, timeline
-from cost_models.pipeline import estimate, rank_order
+from autopar.cost_models.pipeline import estimate, rank_order
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["--model", "gpt", "--model-config", "layers=4,hidden=64,heads=4,vocab=100,seq_len=32", "--seq-len", "32"]

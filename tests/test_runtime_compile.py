@@ -33,7 +33,7 @@ def _compiled_job(job: dict) -> dict:
     """One plan trained with compile=True on this rank (run by parity_harness.run_plans)."""
     from autopar.models import build_model
     from autopar.plan import Plan
-    from runtime.parallelize import parallelize
+    from autopar.runtime.parallelize import parallelize
 
     torch._dynamo.reset()  # a graph cached by an earlier test would be reused silently: count only this run's
     spec = build_model(job["model"], job["overrides"])
@@ -126,7 +126,7 @@ def test_two_processes_pipeline_compiled():
 def test_compiling_a_block_twice_is_refused():
     from autopar.errors import AutoparError
     from autopar.models import build_model
-    from runtime.compile import compile_blocks
+    from autopar.runtime.compile import compile_blocks
 
     module = build_model("gpt", tiny_config()).module
     names = [name for name, _ in module.named_parameters()]

@@ -45,7 +45,7 @@ def _check(strategy, plan, ranks, reference_losses, reference_state):
 
 def _check_collectives(label: str, plan, result: dict) -> None:
     """What the rank sent in a step (kind, calls, bytes per mesh axis) is what the plan predicted."""
-    from cost_models.collectives import merge_world
+    from autopar.cost_models.collectives import merge_world
 
     predicted = {(r.axis, r.kind): (r.calls, r.bytes) for r in plan.predicted.collectives[result["pp_rank"]]}
     predicted = merge_world(predicted, {axis.name: axis.size for axis in plan.mesh})
@@ -143,7 +143,7 @@ def test_a_plan_outside_the_capability_table_is_refused_before_any_collective():
     """The searcher never offers what the table lacks; a forged plan gets one line, not a hang."""
     from autopar.errors import AutoparError
     from autopar.models import build_model
-    from runtime.parallelize import parallelize
+    from autopar.runtime.parallelize import parallelize
 
     plan = make_plan("gpt", tiny_config(), dict(dp=1, tp=1, pp=2, schedule="interleaved", vp=2, microbatch=2), 2,
                      GLOBAL_BATCH)
@@ -172,9 +172,9 @@ def _searched(model: str, overrides: dict, strategy: dict, world: int):
     from autopar.cluster import load_cluster
     from autopar.graph import trace
     from autopar.models import build_model
-    from cost_models.facts import model_facts
-    from runtime.tensor_parallel import capabilities_for
-    from searcher.search import search
+    from autopar.cost_models.facts import model_facts
+    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.searcher.search import search
 
     spec = build_model(model, overrides)
     graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="fp32", name=model,
@@ -193,9 +193,9 @@ def _placed_plan(model: str, overrides: dict, strategy: dict, world: int, placem
     `build_plan` as any ILP plan: the ledger comes from the placements alone."""
     import dataclasses
 
-    from runtime.tensor_parallel import capabilities_for
-    from searcher.plan_builder import build_plan
-    from searcher.search import executed_tp_placements
+    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.searcher.plan_builder import build_plan
+    from autopar.searcher.search import executed_tp_placements
 
     chosen, graph, facts, cluster, module = _searched(model, overrides, strategy, world)
     placements = {p.name: placements.get(p.name, "R") for p in graph.params}
@@ -204,7 +204,7 @@ def _placed_plan(model: str, overrides: dict, strategy: dict, world: int, placem
 
 
 def _differs_from_megatron(model: str, plan) -> bool:
-    from runtime.tensor_parallel import tp_placement
+    from autopar.runtime.tensor_parallel import tp_placement
 
     megatron = make_plan(model, tiny_config(model), dict(dp=1, tp=2, pp=1, microbatch=4), 2, GLOBAL_BATCH)
     return any(tp_placement(plan.param_placements[name]) != tp_placement(text)
@@ -282,7 +282,7 @@ def test_world4_placed_plans_with_data_and_pipeline_parallelism():
 
 def test_placement_check_names_what_the_runtime_cannot_chain():
     from autopar.models import build_model
-    from runtime.tensor_parallel import capabilities_for, check_tp_placements
+    from autopar.runtime.tensor_parallel import capabilities_for, check_tp_placements
 
     module = build_model("gpt", tiny_config()).module
     check = capabilities_for(module).check_placements
@@ -306,7 +306,7 @@ def test_world2_plan_the_ilp_chose_under_the_runtime_rules_trains_like_one_proce
     """Wide enough that the ILP (restricted to what the runtime runs) shards the blocks but keeps the
     embedding replicated where Megatron's propagation would split it over the vocabulary: that plan,
     as searched, trains like one process and sends what its ledger lists."""
-    from runtime.tensor_parallel import tp_placement
+    from autopar.runtime.tensor_parallel import tp_placement
 
     overrides = dict(layers=2, hidden=256, heads=4, vocab=512, seq_len=128)
     strategy = dict(dp=1, tp=2, pp=1, sp=False, microbatch=8)

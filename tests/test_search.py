@@ -9,11 +9,11 @@ from autopar.errors import AutoparError
 from autopar.graph import trace
 from autopar.models import build_model
 from autopar.plan import Plan, Strategy
-from cost_models.facts import model_facts
-from cost_models.strategy import check_strategy
-from cost_models.whatif import completions, evaluate_fitted
-from searcher.plan_builder import build_plan
-from searcher.search import search
+from autopar.cost_models.facts import model_facts
+from autopar.cost_models.strategy import check_strategy
+from autopar.cost_models.whatif import completions, evaluate_fitted
+from autopar.searcher.plan_builder import build_plan
+from autopar.searcher.search import search
 
 CONFIG = "layers=8,hidden=512,heads=8,vocab=4096,seq_len=256"
 
@@ -136,8 +136,8 @@ def test_ilp_never_loses_to_the_propagation_and_its_plan_is_valid(small):
 def test_every_layer_instance_runs_the_placements_the_ilp_chose_for_its_type(small):
     """The ILP solves one instance per layer type; the plan must give every instance that solution
     (not the first instance the ILP's and the rest Megatron's), since the search costed it for all."""
-    from runtime.tensor_parallel import capabilities_for, tp_placement
-    from searcher.intra_op import solve_unit
+    from autopar.runtime.tensor_parallel import capabilities_for, tp_placement
+    from autopar.searcher.intra_op import solve_unit
 
     graph, facts = small
     spec = build_model("gpt", CONFIG)
@@ -160,7 +160,7 @@ def test_every_layer_instance_runs_the_placements_the_ilp_chose_for_its_type(sma
 
 
 def _tp_ledger_time(plan, cluster, rank: int = 0) -> float:
-    from cost_models.communication import collective_time_s, group_layout
+    from autopar.cost_models.communication import collective_time_s, group_layout
 
     layout = group_layout(plan.strategy.tp, 1, cluster.gpus_per_node)
     return sum(r.calls * collective_time_s(r.kind, r.bytes / r.calls, layout, cluster)
@@ -186,9 +186,9 @@ def test_a_tied_embedding_and_head_are_costed_and_planned_with_one_placement(sma
     """The embedding and the tied head are solved in different units and may disagree; the candidate
     takes one of the proposals, and the units it was priced with shard the weight (or not) alike."""
     from autopar.capabilities import RUNTIME_CAPABILITIES
-    from cost_models.compute import DEFAULT_EFFICIENCY
-    from runtime.tensor_parallel import tp_placement
-    from searcher.search import _one_each, _Refiner
+    from autopar.cost_models.compute import DEFAULT_EFFICIENCY
+    from autopar.runtime.tensor_parallel import tp_placement
+    from autopar.searcher.search import _one_each, _Refiner
 
     graph, facts = small
     cluster = load_cluster("dgx-h100", gpus=4)
@@ -216,7 +216,7 @@ def test_a_megatron_layout_the_runtime_refuses_is_never_planned():
     import torch.nn.functional as F
     from torch import nn
 
-    from runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel import capabilities_for
 
     class Wrapped(nn.Module):
         def __init__(self, fan_in, fan_out):
