@@ -17,14 +17,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph import OpGraph, model_fingerprint, trace
+from autopar.api import PlanResult, check_fixed_strategy, load_cluster, load_plan, model_hints, parallelize, plan
 
-
-
-def parallelize(model, plan, **kwargs):
-    """Shard `model` as `plan` says on the running process group (see runtime.parallelize)."""
-    from autopar.runtime.parallelize import parallelize as _parallelize  # torch.distributed only when asked for
-
-    return _parallelize(model, plan, **kwargs)
-
-
-__all__ = ["__version__", "AutoparError", "CaptureError", "OpGraph", "trace", "model_fingerprint", "parallelize"]
+__all__ = ["__version__", "AutoparError", "CaptureError", "OpGraph", "PlanResult", "check_fixed_strategy",
+           "load_cluster", "load_plan", "model_fingerprint", "model_hints", "parallelize", "plan", "trace"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 
 
 @dataclass(frozen=True)

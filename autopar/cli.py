@@ -85,40 +85,44 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    from autopar.graph import trace
+    import autopar
     from autopar.inspect import cluster_fit, render, summarize
-    from autopar.io import atomic_write_text
+    from autopar.io import check_output_path, write_all
     from autopar.models import build_model
 
-    cluster = None
-    if args.cluster:  # checked before the (possibly long) trace, so a bad file fails fast
-        from autopar.cluster import load_cluster
-
-        cluster = load_cluster(args.cluster, gpus=args.gpus)
-    elif args.gpus is not None:
+    outputs = {flag: path for flag, path in (("--graph", args.graph), ("--json", args.json)) if path and path != "-"}
+    for flag, path in outputs.items():
+        check_output_path(path, flag)  # before the (possibly long) trace
+    cluster = autopar.load_cluster(args.cluster, gpus=args.gpus) if args.cluster else None
+    if cluster is None and args.gpus is not None:
         raise AutoparError("--gpus sizes a cluster: give --cluster too, e.g. --cluster dgx-h100 --gpus 64")
     spec = build_model(args.model, args.model_config)
     inputs = spec.example_inputs(args.batch, args.seq_len)
     seq_len = args.seq_len or spec.default_seq_len
-    print(f"tracing {spec.name} ({args.precision}, batch {args.batch}, seq {seq_len}) ...", file=sys.stderr, flush=True)
+    _say(f"tracing {spec.name} ({args.precision}, batch {args.batch}, seq {seq_len}) ...")
     started = time.perf_counter()
-    graph = trace(spec.module, inputs, loss_fn=spec.loss_fn, precision=args.precision, name=spec.name, seq_len=seq_len)
+    graph = autopar.trace(spec.module, inputs, loss_fn=spec.loss_fn, precision=args.precision, name=spec.name,
+                          seq_len=seq_len)
     summary = summarize(graph, time.perf_counter() - started)
     if cluster is not None:
         summary["cluster_fit"] = cluster_fit(summary, cluster)
     if args.check_plan:
-        from autopar.plan import load_plan
-
-        plan = load_plan(args.check_plan, expected_fingerprint=graph.model_fingerprint)
+        plan = autopar.load_plan(args.check_plan, model=spec.module)
         summary["plan_check"] = {"path": args.check_plan, "ok": True, "schema_version": plan.schema_version}
+    texts = {}
     if args.graph:
-        atomic_write_text(args.graph, graph.to_json())
+        texts[args.graph] = graph.to_json()
+    if args.json and args.json != "-":
+        texts[args.json] = json.dumps(summary, indent=2)
+    write_all(texts)
     if args.json == "-":
         print(json.dumps(summary, indent=2))
         return 0
-    if args.json:
-        atomic_write_text(args.json, json.dumps(summary, indent=2))
     print(render(summary))
     if args.check_plan:
         print(f"\nplan {args.check_plan} matches this model (fingerprint {graph.model_fingerprint})")
@@ -126,78 +130,41 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from autopar.cluster import load_cluster
-    from autopar.graph import trace
-    from autopar.io import atomic_write_text
-    from autopar.models import build_model
-    from autopar.plan_report import plan_summary, render
-    from autopar.cost_models.facts import model_facts
+    import autopar
     from autopar.cost_models.strategy import parse_strategy
-    from autopar.searcher.plan_builder import build_plan
-    from autopar.searcher.search import search
+    from autopar.io import check_output_path
+    from autopar.models import build_model
+    from autopar.plan_report import render
 
-    from autopar.cost_models.whatif import _check_fixed_degrees
-
-    from autopar.report_html import check_output_path
-
-    for flag, path in (("--report", args.report), ("--trace", args.trace)):
+    outputs = {"--save-plan": args.save_plan, "--json": None if args.json == "-" else args.json,
+               "--report": args.report, "--trace": args.trace}
+    for flag, path in outputs.items():
         if path:
             check_output_path(path, flag)  # before the (possibly long) search
     fixed = parse_strategy(args.strategy)
-    cluster = load_cluster(args.cluster, gpus=args.gpus)
-    _check_fixed_degrees(fixed, cluster.world_size)  # before the (possibly long) trace
+    cluster = autopar.load_cluster(args.cluster, gpus=args.gpus)
+    autopar.check_fixed_strategy(fixed, cluster.world_size)  # before the (possibly long) trace
     if args.global_batch <= 0:
         raise AutoparError(f"--global-batch must be positive, got {args.global_batch}")
     spec = build_model(args.model, args.model_config)
-    inputs = spec.example_inputs(1, args.seq_len)
-    seq_len = args.seq_len or spec.default_seq_len
-    print(f"tracing {spec.name} ({args.precision}, seq {seq_len}) ...", file=sys.stderr, flush=True)
-    graph = trace(spec.module, inputs, loss_fn=spec.loss_fn, precision=args.precision, name=spec.name, seq_len=seq_len)
-    config = spec.config
-    facts = model_facts(graph, heads=config.heads if config else None,
-                        kv_heads=config.num_kv_heads if config else None, vocab=config.vocab if config else None)
-    efficiency = _calibration(args, graph, cluster) if args.profile else None
-    print(f"searching {cluster.world_size} GPUs ...", file=sys.stderr, flush=True)
-    from autopar.runtime.tensor_parallel import capabilities_for
-
-    result = search(graph, facts, cluster, args.global_batch, fixed=fixed, use_ilp=not args.no_ilp,
-                    capabilities=capabilities_for(spec.module),
-                    **({"efficiency": efficiency} if efficiency else {}))
-    chosen = result.best or result.ranked[0]
-    plan = build_plan(chosen, graph, facts, cluster) if result.best else None
-    summary = plan_summary(result, model=spec.name, cluster=cluster, global_batch=args.global_batch,
-                           seq_len=seq_len, fixed=fixed, plan=plan)
-    if args.save_plan and plan is not None:
-        from autopar.plan import save_plan
-
-        save_plan(plan, args.save_plan)
+    result = autopar.plan(spec.module, spec.example_inputs(1, args.seq_len), cluster=cluster,
+                          global_batch=args.global_batch, strategy=fixed, loss_fn=spec.loss_fn,
+                          precision=args.precision, name=spec.name, seq_len=args.seq_len or spec.default_seq_len,
+                          use_ilp=not args.no_ilp, profile=args.profile, profile_device=args.profile_device,
+                          progress=_say)
+    result.write(plan=args.save_plan if result.fits else None, json_path=outputs["--json"], report=args.report,
+                 trace=args.trace)
+    summary = result.summary()
     if args.json == "-":
         print(json.dumps(summary, indent=2))
     else:
-        if args.json:
-            atomic_write_text(args.json, json.dumps(summary, indent=2))
         print(render(summary))
     if args.report:
-        from autopar.report_html import write_report
-
-        write_report(args.report, summary)
-        print(f"wrote report {args.report}", file=sys.stderr)
+        _say(f"wrote report {args.report}")
     if args.trace:
-        from autopar.report_trace import render_trace
-
-        atomic_write_text(args.trace, render_trace(summary))
-        print(f"wrote trace {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
-    if result.best is None:
-        from autopar.cost_models.memory import state_bytes_per_param
-
-        per = state_bytes_per_param(facts.precision)
-        states = facts.num_params * (per.weight + per.gradient + per.optimizer)
-        needed = -(-int(states) // int(summary["capacity_bytes"]))
-        print(f"autopar: no plan fits in {summary['capacity_bytes'] / 2**30:.1f} GiB per GPU "
-              f"(the closest needs {summary['predicted']['peak_memory_bytes'] / 2**30:.1f} GiB); the model states "
-              f"alone need ≥ {needed} such GPUs fully sharded: add GPUs, allow recompute=full or a higher zero "
-              f"stage, or lower the micro-batch" + (" (fixed keys may be the cause)" if fixed else ""),
-              file=sys.stderr)
+        _say(f"wrote trace {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if not result.fits:
+        print(f"autopar: {result.no_fit_reason()}", file=sys.stderr)
         return 3
     return 0
 
@@ -206,36 +173,6 @@ def _run(args: argparse.Namespace) -> int:
     from autopar.run import run_command
 
     return run_command(args)
-
-
-def _calibration(args: argparse.Namespace, graph, cluster):
-    from autopar.cost_models.calibration import calibrate_from_database
-    from autopar.profiler.database import ProfileDB
-
-    with ProfileDB(args.profile, readonly=True) as db:
-        devices = db.devices()
-        name = args.profile_device or _matching_device(devices, cluster.gpu.name)
-        if name not in devices:
-            raise AutoparError(
-                f"profile database {args.profile} has no device {name!r} (it has: {', '.join(devices) or 'none'}): "
-                f"pass --profile-device with one of those, profiled on the cluster's GPU kind"
-            )
-        calibration = calibrate_from_database(graph, db, cluster.gpu, name)
-    measured = ", ".join(f"{k} from {n} ops" for k, n in calibration.samples.items() if n) or "nothing measured"
-    print(f"roofline calibrated on {name}: {measured}", file=sys.stderr)
-    return calibration.efficiency
-
-
-def _matching_device(devices: list[str], gpu_name: str) -> str:
-    """A profile is used only for the GPU kind it was measured on: match the kind's model name."""
-    kind = gpu_name.split("-")[0].lower()  # "H100-SXM5-80GB" → "h100"
-    matches = [d for d in devices if kind in d.lower()]
-    if len(matches) != 1:
-        raise AutoparError(
-            f"cannot tell which device of the profile database is a {gpu_name} (it has: {', '.join(devices) or 'none'}): "
-            f"pass --profile-device"
-        )
-    return matches[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,52 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     directory = target.parent if str(target.parent) else Path(".")
     if not directory.is_dir():
         raise AutoparError(f"cannot write {target}: directory {directory} does not exist; create it first")
+    _publish(_stage(target, text), target)
+
+
+def check_output_path(path: str | os.PathLike, what: str = "output") -> None:
+    """Fail with one line, before any long work, when `path` cannot be written as a file."""
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise AutoparError(f"{what} {target} is a directory; give a file name inside it")
+    if not directory.is_dir():
+        raise AutoparError(f"cannot write {what} {target}: directory {directory} does not exist; create it first")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise AutoparError(f"cannot write {what} {target}: directory {directory} is not writable; choose another")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise AutoparError(f"cannot write {what} {target}: the file is read-only; choose another name")
+
+
+def write_all(texts: dict[str, str]) -> None:
+    """Write several files, all or none: each path checked, each text staged beside its target and
+    synced, and only then all renamed into place. A failure before the renames leaves nothing."""
+    for path in texts:
+        check_output_path(path)
+    if len({Path(p).resolve() for p in texts}) != len(texts):
+        raise AutoparError(f"two outputs name the same file ({', '.join(texts)}): give each its own path")
+    staged: list[tuple[str, Path]] = []
+    try:
+        for path, text in texts.items():
+            staged.append((_stage(Path(path), text), Path(path)))
+    except BaseException:
+        for temporary, _ in staged:
+            Path(temporary).unlink(missing_ok=True)
+        raise
+    for temporary, target in staged:
+        _publish(temporary, target)
+
+
+def _publish(temporary: str, target: Path) -> None:
+    try:
+        os.replace(temporary, target)
+    except OSError as error:
+        Path(temporary).unlink(missing_ok=True)
+        raise AutoparError(f"cannot write {target}: {error.strerror}; check the path and permissions") from None
+
+
+def _stage(target: Path, text: str) -> str:
+    directory = target.parent if str(target.parent) else Path(".")
     try:
         handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
     except OSError as error:
@@ -24,13 +70,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())
-            os.fchmod(stream.fileno(), _default_mode())  # mkstemp makes 0600; a report or plan is for sharing
-        os.replace(temporary, target)
+            os.fchmod(stream.fileno(), _default_mode())
     except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
         if isinstance(error, OSError):
             raise AutoparError(f"cannot write {target}: {error.strerror}; check free space and permissions") from None
         raise
+    return temporary
 
 
 def _default_mode() -> int:

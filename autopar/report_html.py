@@ -15,7 +15,7 @@ from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.io import atomic_write_text
-from autopar.plan import parse_placements
+from autopar.plan_schema import parse_placements
 from autopar.plan_report import GiB, format_value
 from autopar.report_svg import breakdown_svg, group_rows, memory_svg, mesh_svg, timeline_svg
 from autopar.report_timeline import idle_s, makespan_s, timeline
@@ -226,21 +226,6 @@ def render_html(summary: dict[str, Any], measured_rows: list[dict[str, Any]] | N
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f'<style>{_CSS}</style></head><body><header><h1>{escape(title)}</h1></header><main id="report">'
             f'{sections}{measured}</main>{script}</body></html>\n')
-
-
-def write_report(path: str | Path, summary: dict[str, Any]) -> None:
-    """Render first, then write atomically: a failure leaves no half-written page."""
-    atomic_write_text(path, render_html(summary))
-
-
-def check_output_path(path: str | Path, flag: str) -> None:
-    """Fail before a long search, with one line, when `path` cannot be written."""
-    target = Path(path)
-    parent = target.parent if str(target.parent) else Path(".")
-    if target.is_dir():
-        raise AutoparError(f"{flag} {target} is a directory; give a file name, e.g. {target / 'plan.html'}")
-    if not parent.is_dir():
-        raise AutoparError(f"{flag} {target}: directory {parent} does not exist; create it first")
 
 
 def append_measured_section(html_path: str | Path, rows: list[dict[str, Any]]) -> None:

@@ -156,7 +156,7 @@ def _provenance_cluster(plan, world_size: int):
 
 def _load(path: str, spec, fixed: dict[str, Any]):
     from autopar.graph.capture import model_fingerprint
-    from autopar.plan import load_plan
+    from autopar.plan_schema import load_plan
 
     plan = load_plan(path, expected_fingerprint=model_fingerprint(spec.module))
     clashes = [f"{key}={value} (the plan has {key}={getattr(plan.strategy, key)})"
@@ -178,31 +178,15 @@ def _plan_global_batch(plan, requested: int | None) -> int:
 
 
 def _search(spec, cluster, fixed: dict[str, Any], global_batch: int, seq_len: int, precision: str, env: Environment):
-    from autopar.graph import trace
-    from autopar.cost_models.facts import model_facts
-    from autopar.cost_models.whatif import _check_fixed_degrees
-    from autopar.searcher.plan_builder import build_plan
-    from autopar.runtime.tensor_parallel import capabilities_for
-    from autopar.searcher.search import search
+    import autopar
 
-    _check_fixed_degrees(fixed, cluster.world_size)  # before the trace
-    say = env.rank == 0
-    if say:
-        print(f"tracing {spec.name} ({precision}, seq {seq_len}) ...", file=sys.stderr, flush=True)
-    graph = trace(spec.module, spec.example_inputs(1, seq_len), loss_fn=spec.loss_fn, precision=precision,
-                  name=spec.name, seq_len=seq_len)
-    config = spec.config
-    facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab)
-    if say:
-        print(f"searching a plan for {cluster.world_size} process(es) ...", file=sys.stderr, flush=True)
-    result = search(graph, facts, cluster, global_batch, fixed=fixed, capabilities=capabilities_for(spec.module))
-    if result.best is None:
-        closest = result.ranked[0].evaluation
-        raise AutoparError(
-            f"no plan fits in {closest.capacity_bytes / GiB:.1f} GiB per device for {cluster.world_size} process(es) "
-            f"(the closest needs {closest.peak_memory_bytes / GiB:.1f} GiB): run on more devices, lower "
-            f"--global-batch, or see `autopar plan` for the alternatives", exit_code=3)
-    return build_plan(result.best, graph, facts, cluster)
+    say = (lambda message: print(message, file=sys.stderr, flush=True)) if env.rank == 0 else None
+    result = autopar.plan(spec.module, spec.example_inputs(1, seq_len), cluster=cluster, global_batch=global_batch,
+                          strategy=fixed, loss_fn=spec.loss_fn, precision=precision, name=spec.name, seq_len=seq_len,
+                          progress=say)
+    if not result.fits:
+        raise AutoparError(f"{result.no_fit_reason()}; see `autopar plan` for the alternatives", exit_code=3)
+    return result.plan
 
 
 def _strategy_text(s) -> str:
@@ -261,7 +245,7 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
     data = checkpointer = None
     try:
         if env.world_size > 1:  # one plan for all ranks, whatever each rank's solver chose
-            from autopar.plan import Plan
+            from autopar.plan_schema import Plan
 
             shared = [plan.to_json()]
             dist.broadcast_object_list(shared, src=0)

@@ -15,7 +15,7 @@ import json
 import platform
 from pathlib import Path
 
-from autopar.cost_models.whatif import what_if
+from autopar.searcher.candidates import what_if
 from autopar.searcher.search import search
 from validate_published import published_setup  # the same graph and fixed keys as the validation
 

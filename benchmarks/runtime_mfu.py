@@ -115,12 +115,16 @@ def plain_variant(args, compiled: bool) -> dict:
 
 def search_plan(args):
     """The plan `autopar run --cluster CLUSTER --global-batch MICRO_BATCH` chooses for one device."""
-    from autopar.run import Environment, _planning_cluster, _search
+    import autopar
 
     spec = build_model(args.model, args.model_config)
-    cluster = _planning_cluster(args.cluster, 1)
-    plan = _search(spec, cluster, {}, args.micro_batch, args.seq_len, args.precision, Environment(1, 0, 0))
-    return plan, cluster
+    cluster = autopar.load_cluster(args.cluster, gpus=1)
+    result = autopar.plan(spec.module, spec.example_inputs(1, args.seq_len), cluster=cluster,
+                          global_batch=args.micro_batch, loss_fn=spec.loss_fn, precision=args.precision,
+                          name=spec.name, seq_len=args.seq_len)
+    if result.plan is None:
+        raise SystemExit(f"runtime_mfu: {result.no_fit_reason()}")
+    return result.plan, cluster
 
 
 def runtime_variant(args, plan, compiled: bool) -> dict:

@@ -17,16 +17,13 @@ import os
 import platform
 import time
 
-from autopar.cluster import load_cluster
+import autopar
 from autopar.errors import AutoparError
-from autopar.graph import trace
 from autopar.models import build_model
 from autopar.cost_models.evaluate import evaluate, partition, with_fewest_recomputed_layers
-from autopar.cost_models.facts import model_facts
 from autopar.cost_models.strategy import check_strategy
-from autopar.cost_models.whatif import completions, head_vocab
-from autopar.runtime.tensor_parallel import capabilities_for
-from autopar.searcher.search import search
+from autopar.cost_models.collectives import head_vocab
+from autopar.searcher.candidates import completions
 
 CASES = [
     # (label, model, cluster, gpus, global batch, seq, fixed strategy keys)
@@ -82,12 +79,10 @@ def main() -> None:
         if args.only and label not in args.only.split(","):
             continue
         spec = build_model(model)
-        graph = trace(spec.module, spec.example_inputs(1, seq), loss_fn=spec.loss_fn, precision="bf16", name=label)
-        config = spec.config
-        facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab)
-        cluster = load_cluster(cluster_name, gpus=gpus)
-        capabilities = capabilities_for(spec.module)
-        result = search(graph, facts, cluster, batch, fixed=fixed, use_ilp=False, capabilities=capabilities)
+        cluster = autopar.load_cluster(cluster_name, gpus=gpus)
+        planned = autopar.plan(spec.module, spec.example_inputs(1, seq), cluster=cluster, global_batch=batch,
+                               strategy=fixed, loss_fn=spec.loss_fn, precision="bf16", name=label, use_ilp=False)
+        result, facts, capabilities = planned.search, planned.facts, planned.capabilities
         started = time.perf_counter()
         best, simulated = exhaustive(facts, cluster, batch, len(facts.layer_units), capabilities, fixed)
         enumerated_s = time.perf_counter() - started

@@ -14,12 +14,8 @@ import os
 import platform
 import time
 
-from autopar.cluster import load_cluster
-from autopar.graph import trace
+import autopar
 from autopar.models import build_model
-from autopar.cost_models.facts import model_facts
-from autopar.runtime.tensor_parallel import capabilities_for
-from autopar.searcher.search import search
 
 CASES = [
     # (label, model, overrides, cluster, gpus, global batch, seq)
@@ -41,15 +37,13 @@ def main() -> None:
         if args.only and label not in args.only.split(","):
             continue
         spec = build_model(model, overrides)
+        cluster = autopar.load_cluster(cluster_name, gpus=gpus)
         started = time.perf_counter()
-        graph = trace(spec.module, spec.example_inputs(1, seq), loss_fn=spec.loss_fn, precision="bf16", name=label)
-        captured = time.perf_counter() - started
-        config = spec.config
-        facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab)
-        cluster = load_cluster(cluster_name, gpus=gpus)
-        # as `autopar plan` searches: with the runtime's capability table for this model
-        result = search(graph, facts, cluster, batch, use_ilp=not args.no_ilp,
-                        capabilities=capabilities_for(spec.module))
+        # as `autopar plan` searches: the public API, with the runtime's capability table for this model
+        planned = autopar.plan(spec.module, spec.example_inputs(1, seq), cluster=cluster, global_batch=batch,
+                               loss_fn=spec.loss_fn, precision="bf16", name=label, use_ilp=not args.no_ilp)
+        result = planned.search
+        captured = time.perf_counter() - started - result.search_s  # capture and facts
         chosen = result.best or result.ranked[0]
         s = chosen.strategy
         plan = (f"dp={s.dp} tp={s.tp} pp={s.pp} mb={s.microbatch} {s.schedule}"

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from autopar.cluster import load_cluster
 from autopar.graph import trace
 from autopar.models import build_model
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.cost_models.evaluate import evaluate
 from autopar.cost_models.facts import model_facts
 

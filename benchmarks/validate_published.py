@@ -24,7 +24,7 @@ from autopar.cluster import load_cluster
 from autopar.graph import trace
 from autopar.models import build_model
 from autopar.cost_models.facts import model_facts
-from autopar.cost_models.whatif import what_if
+from autopar.searcher.candidates import what_if
 
 DEFAULT_RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json"
 VOCAB = 51200

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.graph.ir import OpGraph, OpNode
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.cost_models.facts import OpFacts, Unit
 from autopar.cost_models.recompute import stage_policies
 
@@ -379,3 +379,9 @@ def _with_moves(op: OpFacts, moves: list[tuple[str, float, bool]], microbatch: i
     rest = [(kind, size / microbatch if flag else size) for kind, size, flag in moves if kind != "all_reduce"]
     rest += [("all_reduce", size / microbatch if flag else size) for size, flag in reduces[1:]]
     return dataclasses.replace(op, reduce_bytes=first, reduce_per_microbatch=unbatched, collectives=tuple(rest))
+
+
+def head_vocab(facts, strategy: Strategy) -> int | None:
+    """Under tp the runtime runs the head vocabulary-parallel (Megatron's layout): its collectives
+    are charged from the vocabulary size (`vocab_parallel_head_collectives`)."""
+    return facts.vocab if strategy.tp > 1 else None

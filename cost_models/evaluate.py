@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from autopar.cluster import ClusterSpec
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
                                      sequence_parallel_gradient_reductions, tied_across_ranks,
                                      vocab_parallel_head_collectives)

@@ -106,10 +106,6 @@ class ModelFacts:
         """Model FLOPs of one sample's forward and backward (recompute not counted)."""
         return sum(op.flops for unit in self.units for op in unit.ops)
 
-    @property
-    def param_bytes_per_element(self) -> int:
-        return {"fp32": 4, "bf16": 2, "fp16": 2}[self.precision]
-
 
 def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None = None,
                 vocab: int | None = None, sharded: set[str] | frozenset[str] | None = None) -> ModelFacts:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.cost_models.facts import Unit
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "schedule", "vp")
 _RESERVED = {"cp": "context parallel (cp) is reserved for a later release: leave it out"}
@@ -113,3 +113,18 @@ def check_strategy(
                                f"layers but it holds {sizes[over[0]]}: give at most {'/'.join(map(str, sizes))}")
     if s.schedule == "interleaved" and s.num_microbatches % s.pp:
         raise AutoparError(f"interleaved needs the micro-batch count ({s.num_microbatches}) divisible by pp={s.pp}")
+
+
+def check_fixed_degrees(fixed: dict[str, Any], world_size: int) -> None:
+    """Fixed dp/tp/pp degrees must multiply to (all three) or divide (some) the world size."""
+    degrees = {key: fixed[key] for key in ("dp", "tp", "pp") if key in fixed}
+    product = 1
+    for value in degrees.values():
+        product *= value
+    text = "×".join(f"{k}={v}" for k, v in degrees.items())
+    if len(degrees) == 3 and product != world_size:
+        raise AutoparError(f"dp×tp×pp = {text} = {product} but the cluster has {world_size} GPUs: "
+                           f"the product must equal the world size")
+    if degrees and world_size % product:
+        raise AutoparError(f"{text} = {product} does not divide the world size {world_size}: "
+                           f"choose degrees whose product divides it")

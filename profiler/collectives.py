@@ -48,11 +48,6 @@ def cost_coefficients(collective: str, n: int) -> tuple[float, float]:
     raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
 
 
-def predict_time_s(collective: str, n: int, size_bytes: float, alpha_s: float, beta_bytes_per_s: float) -> float:
-    c_alpha, c_beta = cost_coefficients(collective, n)
-    return c_alpha * alpha_s + c_beta * size_bytes / beta_bytes_per_s
-
-
 def fit_alpha_beta(collective: str, n: int, sizes_bytes: Sequence[float], times_s: Sequence[float]
                    ) -> tuple[float, float, float]:
     """(α seconds, β bytes/s, relative RMS error) by non-negative least squares on relative error.

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan_schema import Plan
 
 AXES = ("pp", "dp", "tp")
 
@@ -29,10 +29,6 @@ class RankLayout:
     dp_rank: int
     tp_rank: int
     device: torch.device
-
-    @property
-    def stage_mesh(self) -> DeviceMesh:
-        return self.mesh["dp", "tp"]
 
     def size(self, axis: str) -> int:
         return self.mesh.size(AXES.index(axis))

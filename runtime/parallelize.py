@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
-from autopar.plan import Plan
+from autopar.plan_schema import Plan
 from autopar.runtime.compile import compile_blocks
 from autopar.runtime.data_parallel import all_reduce_gradients, apply_fsdp, set_microbatch_boundary
 from autopar.runtime.init import InitSource, materialize

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities, TpBlock, TpRules
 from autopar.errors import AutoparError
-from autopar.plan import parse_placements
+from autopar.plan_schema import parse_placements
 
 
 def tp_placement(plan_placement: str) -> str:

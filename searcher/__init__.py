@@ -1,1 +1,10 @@
-"""Intra-op ILP and inter-op DP plan search (issue #5); nothing is implemented here yet."""
+"""The plan search: outer enumeration of strategies, intra-op sharding ILP, inter-op stage DP.
+
+    candidates      every completion of the fixed keys the runtime can run, ranked by the closed-form estimate
+    intra_op        the Alpa-style sharding ILP per distinct unit (its math in its docstring)
+    intra_op_rules  the runtime's tp placement rules as ILP constraints
+    memory_budget   a layer's share of device memory, the ILP's memory row
+    inter_op        the dynamic program cutting units into pipeline stages
+    search          the composition: rank, refine the best few, keep the fastest plan that fits
+    plan_builder    the chosen candidate as a Plan (autopar.plan_schema)
+"""

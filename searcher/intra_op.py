@@ -39,7 +39,7 @@ batch; parameters and their gradients do not). Edges: every tensor an op reads (
 each parameter's gradient into the parameter's placement (a replicated weight whose gradient is
 partial pays its all-reduce in backward), each unit output into its boundary placement.
 
-Constraint families, one method each on `_Ilp`:
+Constraint families, one method each on `UnitIlp`:
 - `_one_choice`: Σ_c x[v, c] = 1.
 - `_edge_marginals`: per edge u→v, y[e, p, q] ≥ 0 with Σ_q y[e, p, q] = Σ_{c: out_u(c)=p} x[u, c] and
   Σ_p y[e, p, q] = Σ_{c: need_v(c)=q} x[v, c], so y = 1 exactly when the edge carries p→q (a side
@@ -292,7 +292,7 @@ class UnitProblem:
                    if not parameters_only or d.key.startswith("param:"))
 
 
-class _Ilp:
+class UnitIlp:
     """The MIP over a `UnitProblem`: binary x per choice; continuous y per edge pair, w per shared conversion."""
 
     def __init__(self, problem: UnitProblem, memory_budget_bytes: float | None, solver_name: str = "HIGHS",
@@ -454,7 +454,7 @@ def solve_unit(unit: Unit, graph: OpGraph, *, tp: int, batch: int, cluster: Clus
                              time.perf_counter() - started, "trivial")
     problem = UnitProblem(unit, graph, tp, batch, cluster, dtype, efficiency, param_state_multiplier,
                           activation_multiplier)
-    ilp = _Ilp(problem, memory_budget_bytes, solver, tp_rules)
+    ilp = UnitIlp(problem, memory_budget_bytes, solver, tp_rules)
     status, choice = ilp.solve(time_limit_s)
     size = (ilp.solver.NumVariables(), ilp.solver.NumConstraints())
     if choice is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, model_state_bytes, usable_bytes
 from autopar.cost_models.pipeline import estimate

@@ -1,10 +1,10 @@
-"""Turn a searched candidate into the plan file the runtime executes (autopar.plan.Plan)."""
+"""Turn a searched candidate into the plan file the runtime executes (autopar.plan_schema.Plan)."""
 
 from __future__ import annotations
 
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph
-from autopar.plan import CollectiveRecord, MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
+from autopar.plan_schema import CollectiveRecord, MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
 from autopar.cost_models.collectives import placed_units, step_collectives
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.recompute import recomputed_units

@@ -26,7 +26,7 @@ from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
 from autopar.graph.ir import OpGraph, TensorMeta
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition, unit_activation_bytes,
@@ -35,7 +35,8 @@ from autopar.cost_models.collectives import placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.memory import model_state_bytes, usable_bytes
 from autopar.cost_models.strategy import check_strategy
-from autopar.cost_models.whatif import fit_recompute, head_vocab, quick_evaluations, unfitted
+from autopar.cost_models.collectives import head_vocab
+from autopar.searcher.candidates import fit_recompute, quick_evaluations, unfitted
 from autopar.searcher.inter_op import UnitCost, partition as dp_partition
 from autopar.searcher.memory_budget import LayerBudget, layer_budget
 
@@ -96,7 +97,7 @@ def search(
                                                efficiency=efficiency, supports=capabilities.supports)
     quick.sort(key=_rank_key)
 
-    refiner = _Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities)
+    refiner = Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities)
     ranked = [refiner.refine(e.strategy) for e in quick[:REFINE_TOP]]
     ranked.sort(key=lambda c: _rank_key(c.evaluation))
     best = ranked[0] if ranked[0].evaluation.fits else None
@@ -130,7 +131,7 @@ def _rank_key(evaluation: Evaluation) -> tuple:
             s.schedule, s.vp, s.recompute, s.sp, s.recompute_layers or ())
 
 
-class _Refiner:
+class Refiner:
     """Intra-op ILP per distinct unit (cached: layer instances share one solve) and the inter-op DP."""
 
     def __init__(self, graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities) -> None:
@@ -230,7 +231,7 @@ class _Refiner:
         # Placements run module by module without sequence parallelism (the ILP's sequence shards do not run).
         placed_strategy = strategy.model_copy(update={"sp": False})
         runnable = 0
-        for choice in _one_each(proposed):
+        for choice in one_each_proposal(proposed):
             planned = planned_tp_placements(choice, self.graph, self.facts, strategy.tp)  # what build_plan writes
             if check is not None and check(planned) is not None:
                 continue  # the runtime could not run these placements
@@ -340,7 +341,7 @@ def planned_tp_placements(param_placements: dict[str, str], graph: OpGraph, fact
     return placements
 
 
-def _one_each(proposed: dict[str, list[str]], limit: int = 8) -> list[dict[str, str]]:
+def one_each_proposal(proposed: dict[str, list[str]], limit: int = 8) -> list[dict[str, str]]:
     """Placement sets taking one proposal per parameter (at most `limit`: tied weights are few)."""
     choices = [{}]
     for name, options in proposed.items():

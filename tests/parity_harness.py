@@ -47,24 +47,19 @@ def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_ba
 
 def plan_for(module, example_inputs, loss_fn, *, name: str, seq_len: int, heads: int, kv_heads: int, vocab: int,
              strategy: dict, world: int, global_batch: int, use_ilp: bool = False):
-    """`make_plan` for any module (not only the zoo's): trace, search under the runtime's capabilities
-    for this module, build the plan: the path a user's own model takes."""
-    from autopar.cluster import load_cluster
-    from autopar.graph import trace
-    from autopar.cost_models.facts import model_facts
-    from autopar.runtime.tensor_parallel import capabilities_for
-    from autopar.searcher.plan_builder import build_plan
-    from autopar.searcher.search import search
+    """`make_plan` for any module (not only the zoo's): `autopar.plan`, the path a user's own model takes."""
+    import autopar
 
-    graph = trace(module, example_inputs, loss_fn=loss_fn, precision="fp32", name=name, seq_len=seq_len)
-    facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
-    cluster = load_cluster("dgx-h100", gpus=world)
-    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp,
-                    capabilities=capabilities_for(module))
-    chosen = result.best or result.ranked[0]
+    result = autopar.plan(module, example_inputs, cluster=autopar.load_cluster("dgx-h100", gpus=world),
+                          global_batch=global_batch, strategy=strategy, loss_fn=loss_fn, precision="fp32", name=name,
+                          seq_len=seq_len, heads=heads, kv_heads=kv_heads, vocab=vocab, use_ilp=use_ilp)
     for key, value in strategy.items():
-        assert getattr(chosen.strategy, key) == value, (key, chosen.strategy)
-    return build_plan(chosen, graph, facts, cluster)
+        assert getattr(result.chosen.strategy, key) == value, (key, result.chosen.strategy)
+    if result.plan is not None:
+        return result.plan
+    from autopar.searcher.plan_builder import build_plan  # a plan that does not fit the H100 still runs here
+
+    return build_plan(result.chosen, result.graph, result.facts, result.cluster)
 
 
 def train_reference(module, loss_fn, data: list[torch.Tensor]) -> tuple[list[float], dict]:
@@ -137,7 +132,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict], outdir: str, run
 
 def run_job(job: dict) -> dict | None:
     from autopar.models import build_model
-    from autopar.plan import Plan
+    from autopar.plan_schema import Plan
     from autopar.runtime.parallelize import parallelize
 
     plan = Plan.from_json(job["plan"])

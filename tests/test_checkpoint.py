@@ -43,7 +43,7 @@ def _optimizer(params, kind: str) -> torch.optim.Optimizer:
 
 def _build(plan_json: str, optimizer_kind: str, overrides: dict | None = None):
     from autopar.models import build_model
-    from autopar.plan import Plan
+    from autopar.plan_schema import Plan
     from autopar.runtime.parallelize import parallelize
 
     spec = build_model("gpt", overrides or tiny_config())

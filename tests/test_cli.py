@@ -121,7 +121,7 @@ def test_python_dash_m_is_the_same_cli():
 
 
 def _plan_for(fingerprint, path, schema_version=None):
-    from autopar.plan import MeshAxis, Plan, Provenance, StagePlan, Strategy, save_plan
+    from autopar.plan_schema import MeshAxis, Plan, Provenance, StagePlan, Strategy, save_plan
 
     plan = Plan(
         mesh=[MeshAxis(name="dp", size=2)],
@@ -218,7 +218,8 @@ def test_plan_that_cannot_fit_exits_3(capsys):
     assert code == 3
     assert "DOES NOT FIT" in out and "no plan fits" in err
     # 16 bytes of model state per parameter over 78 GiB usable: 175B needs at least 34 such GPUs.
-    assert "need ≥ 34 such GPUs" in err
+    assert "add GPUs (≥ 34 for the model states alone)" in err
+    assert "a zero stage above 0" in err and "(fixed: dp=8, tp=1, pp=1, zero=0)" in err
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,9 @@ from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.graph import trace
 from autopar.models import build_model
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.cost_models.communication import collective_time_s, flat_collective_time_s, group_layout
 from autopar.cost_models.evaluate import evaluate
-from autopar.cost_models.facts import model_facts
 from autopar.cost_models.memory import model_state_bytes
 from autopar.cost_models.pipeline import estimate, simulate
 from autopar.cost_models.strategy import check_strategy, parse_strategy
@@ -19,10 +18,8 @@ LINK = CLUSTER.intra_node
 
 
 @pytest.fixture(scope="module")
-def facts():
-    spec = build_model("gpt", "layers=8,hidden=512,heads=8,vocab=4096,seq_len=256")
-    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="bf16")
-    return model_facts(graph, heads=8, vocab=4096)
+def facts(gpt_512):
+    return gpt_512[1]
 
 
 def strategy(**changes):
@@ -213,10 +210,8 @@ def test_calibration_without_samples_keeps_the_documented_defaults():
 
 # --- the collective ledger of per-parameter placements (the intra-op ILP's plans) -----------------
 @pytest.fixture(scope="module")
-def tiny_gpt():
-    spec = build_model("gpt", "layers=4,hidden=32,heads=4,vocab=96,seq_len=16")
-    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="fp32")
-    return graph, model_facts(graph, heads=4, vocab=96)
+def tiny_gpt(tiny_gpt_fp32):
+    return tiny_gpt_fp32
 
 
 def _placed_ledger(graph, facts, placements, s, rank=0):
@@ -257,10 +252,8 @@ def test_llama_block_reductions_stay_in_their_layer(tiny_llama, changes):
 
 
 @pytest.fixture(scope="module")
-def tiny_llama():
-    spec = build_model("llama", "layers=4,hidden=32,heads=4,kv_heads=2,vocab=96,seq_len=16")
-    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="fp32")
-    return graph, model_facts(graph, heads=4, kv_heads=2, vocab=96)
+def tiny_llama(tiny_llama_fp32):
+    return tiny_llama_fp32
 
 
 def _placed_megatron_is_propagated(graph, facts, changes):
@@ -319,7 +312,7 @@ def test_placed_ledger_follows_each_layer_placement(tiny_gpt):
 
 
 def test_what_if_charges_the_vocabulary_parallel_head_under_tp(facts):
-    from autopar.cost_models.whatif import what_if
+    from autopar.searcher.candidates import what_if
 
     fixed = dict(dp=2, tp=2, pp=4, microbatch=1, zero=0, recompute="none", sp=False, schedule="1f1b", vp=1)
     result = what_if(facts, CLUSTER, fixed, 16, layers=8, top_k=1)

@@ -64,7 +64,7 @@ def hf_plan(family: str, strategy: dict, world: int, use_ilp: bool = False):
 
 def run_hf_job(job: dict) -> dict:
     """In each process: the user's model, constructed as on one process, parallelized by the plan."""
-    from autopar.plan import Plan
+    from autopar.plan_schema import Plan
 
     return train_parallel(hf_model(job["family"]), hf_loss, Plan.from_json(job["plan"]), job["data"])
 
@@ -137,19 +137,14 @@ def test_searcher_refuses_what_the_runtime_cannot_run(family, strategy, reason):
     """Asked for it, the searcher names the reason; left free, it rejects every such candidate for it."""
     from autopar.cluster import load_cluster
     from autopar.errors import AutoparError
-    from autopar.graph import trace
-    from autopar.cost_models.facts import model_facts
-    from autopar.runtime.tensor_parallel import capabilities_for
-    from autopar.searcher.search import search
+    import autopar
 
     with pytest.raises(AutoparError, match=reason):
         hf_plan(family, strategy, 2)
     model = hf_model(family)
     example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    graph = trace(model, (example,), loss_fn=hf_loss, name=family, seq_len=SEQ)
-    facts = model_facts(graph, heads=4, kv_heads=2 if family == "llama" else 4, vocab=VOCAB)
-    result = search(graph, facts, load_cluster("dgx-h100", gpus=4), GLOBAL_BATCH, use_ilp=False,
-                    capabilities=capabilities_for(model))
+    result = autopar.plan(model, (example,), cluster=load_cluster("dgx-h100", gpus=4), global_batch=GLOBAL_BATCH,
+                          loss_fn=hf_loss, precision="fp32", name=family, seq_len=SEQ, use_ilp=False).search
     key = next(iter(strategy))
     assert sum(count for why, count in result.rejected.items() if re.search(reason, why)) > 0, result.rejected
     assert all(getattr(candidate.strategy, key) == 1 for candidate in result.ranked), result.ranked

@@ -4,15 +4,12 @@ of a layer overflows it, the proposal is the fastest sharding that fits."""
 import pytest
 
 from autopar.cluster import load_cluster
-from autopar.graph import trace
-from autopar.models import build_model
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY
-from autopar.cost_models.facts import model_facts
 from autopar.cost_models.memory import FRAGMENTATION_MARGIN, RESERVED_BYTES, usable_bytes
 from autopar.runtime.tensor_parallel import capabilities_for
 from autopar.searcher.memory_budget import layer_budget
-from autopar.searcher.search import _Refiner
+from autopar.searcher.search import Refiner
 
 pytest.importorskip("ortools")
 
@@ -21,14 +18,12 @@ STRATEGY = Strategy(dp=2, tp=2, pp=1, microbatch=2, num_microbatches=2)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    spec = build_model("gpt", "layers=2,hidden=256,heads=8,vocab=1000,seq_len=128")
-    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="bf16")
-    return spec, graph, model_facts(graph, heads=8, vocab=1000)
+def tiny(gpt_256):
+    return gpt_256
 
 
 def refiner(spec, graph, facts, cluster):
-    return _Refiner(graph, facts, cluster, BATCH, DEFAULT_EFFICIENCY, True, {}, capabilities_for(spec.module))
+    return Refiner(graph, facts, cluster, BATCH, DEFAULT_EFFICIENCY, True, {}, capabilities_for(spec.module))
 
 
 def layer_weights(proposed):

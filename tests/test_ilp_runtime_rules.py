@@ -16,7 +16,7 @@ from autopar.cost_models.facts import model_facts
 from autopar.runtime.tensor_parallel import capabilities_for
 from autopar.searcher.intra_op import solve_unit
 from autopar.searcher.intra_op_rules import equal, forbidden
-from autopar.searcher.search import _one_each, _Refiner, planned_tp_placements, search
+from autopar.searcher.search import one_each_proposal, Refiner, planned_tp_placements, search
 
 CLUSTER = load_cluster("dgx-h100", gpus=8)
 GLOBAL_BATCH = 32
@@ -51,12 +51,12 @@ def test_no_ilp_proposal_is_refused_and_every_proposal_runs(label, tp):
     assert result.ilp_variables > 0
     assert result.ilp_refused == 0
     # Each proposal, completed as `refine` completes it, passes the runtime's check.
-    refiner = _Refiner(graph, facts, CLUSTER, GLOBAL_BATCH, DEFAULT_EFFICIENCY, True, {"tp": tp}, capabilities)
+    refiner = Refiner(graph, facts, CLUSTER, GLOBAL_BATCH, DEFAULT_EFFICIENCY, True, {"tp": tp}, capabilities)
     strategies = {c.strategy.model_copy(update={"sp": False}) for c in result.ranked}
     for strategy in sorted(strategies, key=lambda s: s.microbatch)[:2]:
         _, proposed = refiner.proposals(strategy)
         assert proposed
-        for choice in _one_each(proposed):
+        for choice in one_each_proposal(proposed):
             planned = planned_tp_placements(choice, graph, facts, tp)
             assert capabilities.check_placements(planned) is None, (label, tp, strategy)
 

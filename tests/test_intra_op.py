@@ -7,15 +7,13 @@ import itertools
 import pytest
 
 from autopar.cluster import load_cluster
-from autopar.graph import trace
 from autopar.graph.ir import OpGraph, OpNode, ParamInfo, StepMemory, TensorMeta
-from autopar.models import build_model
-from autopar.plan import Strategy, parse_placements
+from autopar.plan_schema import Strategy, parse_placements
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import unit_time
 from autopar.cost_models.evaluate import evaluate
 from autopar.cost_models.facts import model_facts
-from autopar.searcher.intra_op import UnitProblem, _Ilp, solve_unit
+from autopar.searcher.intra_op import UnitProblem, UnitIlp, solve_unit
 from autopar.searcher.intra_op_strategies import op_strategies, view_dim_map
 
 CLUSTER = load_cluster("dgx-h100", gpus=8)
@@ -172,10 +170,9 @@ def test_ilp_matches_brute_force_under_a_memory_budget(fraction):
 
 # --- (2) a traced GPT layer ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def gpt():
-    spec = build_model("gpt", "layers=2,hidden=256,heads=8,vocab=1000,seq_len=128")
-    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="bf16")
-    return graph, model_facts(graph, heads=8, vocab=1000)
+def gpt(gpt_256):
+    _, graph, facts = gpt_256
+    return graph, facts
 
 
 @pytest.mark.parametrize("batch", [2, 128])
@@ -241,7 +238,7 @@ def test_the_ilp_solves_the_same_optimum_with_other_mip_solvers(gpt):
     problem = UnitProblem(layer, graph, 2, 128, CLUSTER, "bf16")
     values = []
     for name in ("HIGHS", "CBC"):
-        status, choice = _Ilp(problem, None, name).solve(30)
+        status, choice = UnitIlp(problem, None, name).solve(30)
         assert status == "optimal"
         values.append(problem.cost(choice))
     assert values[0] == pytest.approx(values[1], rel=1e-7)

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from autopar.errors import AutoparError
-from autopar.plan import (
+from autopar.plan_schema import (
     PLAN_SCHEMA_VERSION,
     MeshAxis,
     Plan,

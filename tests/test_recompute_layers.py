@@ -4,13 +4,10 @@ import pytest
 
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
-from autopar.graph import trace
-from autopar.models import build_model
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.plan_report import evaluation_summary, plan_summary, render
 from autopar.cost_models.collectives import step_collectives
 from autopar.cost_models.evaluate import evaluate, partition, with_fewest_recomputed_layers
-from autopar.cost_models.facts import model_facts
 from autopar.cost_models.memory import RESERVED_BYTES
 from autopar.cost_models.recompute import recomputed_units
 from autopar.cost_models.strategy import check_strategy, parse_strategy
@@ -22,10 +19,8 @@ BATCH = 64
 
 
 @pytest.fixture(scope="module")
-def traced():
-    spec = build_model("gpt", "layers=8,hidden=512,heads=8,vocab=4096,seq_len=256")
-    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="bf16")
-    return graph, model_facts(graph, heads=8, vocab=4096)
+def traced(gpt_512):
+    return gpt_512
 
 
 def strategy(**changes):

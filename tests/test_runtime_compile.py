@@ -32,7 +32,7 @@ WEIGHT_RTOL = 1e-6
 def _compiled_job(job: dict) -> dict:
     """One plan trained with compile=True on this rank (run by parity_harness.run_plans)."""
     from autopar.models import build_model
-    from autopar.plan import Plan
+    from autopar.plan_schema import Plan
     from autopar.runtime.parallelize import parallelize
 
     torch._dynamo.reset()  # a graph cached by an earlier test would be reused silently: count only this run's

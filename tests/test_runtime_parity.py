@@ -169,20 +169,14 @@ def test_intra_op_ilp_plan_runs_as_planned():
 
 def _searched(model: str, overrides: dict, strategy: dict, world: int):
     """The ILP search's chosen candidate and what `build_plan` needs with it (as `make_plan`, use_ilp=True)."""
-    from autopar.cluster import load_cluster
-    from autopar.graph import trace
+    import autopar
     from autopar.models import build_model
-    from autopar.cost_models.facts import model_facts
-    from autopar.runtime.tensor_parallel import capabilities_for
-    from autopar.searcher.search import search
 
     spec = build_model(model, overrides)
-    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="fp32", name=model,
-                  seq_len=spec.config.seq_len)
-    facts = model_facts(graph, heads=spec.config.heads, kv_heads=spec.config.num_kv_heads, vocab=spec.config.vocab)
-    cluster = load_cluster("dgx-h100", gpus=world)
-    result = search(graph, facts, cluster, GLOBAL_BATCH, fixed=strategy, use_ilp=True,
-                    capabilities=capabilities_for(spec.module))
+    planned = autopar.plan(spec.module, spec.example_inputs(1), cluster=autopar.load_cluster("dgx-h100", gpus=world),
+                           global_batch=GLOBAL_BATCH, strategy=strategy, loss_fn=spec.loss_fn, precision="fp32",
+                           name=model, seq_len=spec.config.seq_len, use_ilp=True)
+    result, graph, facts, cluster = planned.search, planned.graph, planned.facts, planned.cluster
     chosen = result.best or result.ranked[0]
     assert chosen.op_placements, "the ILP's candidate was expected to win on the tiny model"
     return chosen, graph, facts, cluster, spec.module

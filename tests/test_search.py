@@ -8,10 +8,10 @@ from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.graph import trace
 from autopar.models import build_model
-from autopar.plan import Plan, Strategy
+from autopar.plan_schema import Plan, Strategy
 from autopar.cost_models.facts import model_facts
 from autopar.cost_models.strategy import check_strategy
-from autopar.cost_models.whatif import completions, evaluate_fitted
+from autopar.searcher.candidates import completions, evaluate_fitted
 from autopar.searcher.plan_builder import build_plan
 from autopar.searcher.search import search
 
@@ -19,10 +19,9 @@ CONFIG = "layers=8,hidden=512,heads=8,vocab=4096,seq_len=256"
 
 
 @pytest.fixture(scope="module")
-def small():
-    spec = build_model("gpt", CONFIG)
-    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16", name="gpt-small")
-    return graph, model_facts(graph, heads=8, vocab=4096)
+def small(zoo_trace):
+    _, graph, facts = zoo_trace("gpt", CONFIG, batch=1, name="gpt-small")
+    return graph, facts
 
 
 def exhaustive_best(graph, facts, cluster, global_batch, fixed=None):
@@ -188,16 +187,16 @@ def test_a_tied_embedding_and_head_are_costed_and_planned_with_one_placement(sma
     from autopar.capabilities import RUNTIME_CAPABILITIES
     from autopar.cost_models.compute import DEFAULT_EFFICIENCY
     from autopar.runtime.tensor_parallel import tp_placement
-    from autopar.searcher.search import _one_each, _Refiner
+    from autopar.searcher.search import one_each_proposal, Refiner
 
     graph, facts = small
     cluster = load_cluster("dgx-h100", gpus=4)
     result = search(graph, facts, cluster, 32, fixed={"tp": 4, "pp": 1, "sp": False}, use_ilp=True, top_k=12)
-    refiner = _Refiner(graph, facts, cluster, 32, DEFAULT_EFFICIENCY, True, {}, RUNTIME_CAPABILITIES)
+    refiner = Refiner(graph, facts, cluster, 32, DEFAULT_EFFICIENCY, True, {}, RUNTIME_CAPABILITIES)
     checked = 0
     for candidate in (c for c in result.ranked if c.op_placements):
         _, proposed = refiner.proposals(candidate.strategy)
-        choices = _one_each(proposed)
+        choices = one_each_proposal(proposed)
         assert {choice["embed.weight"] for choice in choices} == set(proposed["embed.weight"])
         placement = candidate.param_placements["embed.weight"]
         assert placement in proposed["embed.weight"]

@@ -1,8 +1,11 @@
-"""Complete a partial strategy: keys the user fixed stay, the cost model chooses the rest.
+"""Candidate strategies: every completion of the keys the user fixed, ranked by the cost model.
 
-Every completion of the free keys is enumerated, ranked with the closed-form pipeline estimate,
-and the best few are simulated exactly. (The full searcher, issue #5, replaces the enumeration of
-dp/tp/pp with the intra-op ILP inside an inter-op dynamic program.)
+The searcher's outer loop: enumerate the completions of the free keys (dp/tp/pp, micro-batch, ZeRO,
+recompute, sp, schedule, vp), keep what the runtime can execute and what breaks no rule, and rank
+them with the closed-form pipeline estimate, each recomputing only the layers it needs to fit.
+`what_if` simulates the best few exactly on Megatron's layout (no ILP, even stages): the quick
+answer benchmarks use to price published configurations; `search` refines the same ranking with
+the intra-op ILP and the inter-op dynamic program.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from typing import Any, Callable, Iterator
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
-from autopar.plan import Strategy
+from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.evaluate import Evaluation, evaluate, partition, with_fewest_recomputed_layers
 from autopar.cost_models.facts import ModelFacts
-from autopar.cost_models.strategy import check_strategy
+from autopar.cost_models.collectives import head_vocab
+from autopar.cost_models.strategy import check_fixed_degrees, check_strategy
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 VP_CHOICES = (2, 3, 4, 6, 8)
@@ -80,7 +84,7 @@ def quick_evaluations(
     `supports(strategy)` may veto a completion with a reason (the runtime's capability table).
     Returns (evaluations, completions tried, rejection reason → count); raises when none is valid.
     """
-    _check_fixed_degrees(fixed, cluster.world_size)
+    check_fixed_degrees(fixed, cluster.world_size)
     rejected: dict[str, int] = {}
     quick: list[Evaluation] = []
     count = 0
@@ -101,11 +105,22 @@ def quick_evaluations(
     if not quick:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
-        raise AutoparError(
-            "no valid strategy completes --strategy for this model and cluster"
-            + (f": e.g. {next(iter(rejected))}" if rejected else "")
-        )
+        raise AutoparError(_no_completion(fixed, cluster.world_size, global_batch, count, rejected))
     return quick, count, rejected
+
+
+def _no_completion(fixed: dict[str, Any], world_size: int, global_batch: int, count: int,
+                   rejected: dict[str, int]) -> str:
+    """One line: which keys were fixed, the rule most completions broke, and what to change."""
+    given = ",".join(f"{k}={v}" for k, v in fixed.items())
+    where = f"--strategy {given}" if given else "the free strategy keys"
+    if not count:
+        return (f"no strategy completes {where} on {world_size} GPUs with global batch {global_batch}: "
+                f"each degree must divide the world size and dp the global batch; change "
+                f"{'those keys' if given else '--global-batch or --gpus'}")
+    reason, times = max(rejected.items(), key=lambda item: item[1])
+    fix = f"change or drop {given}" if given else "change --global-batch or --gpus"
+    return f"no valid strategy completes {where}: {times} of {count} completions break the rule '{reason}'; {fix}"
 
 
 def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int,
@@ -151,23 +166,3 @@ def unfitted(strategy: Strategy, fixed: dict[str, Any]) -> Strategy:
     if not fit_recompute(fixed) or strategy.recompute_layers is None:
         return strategy
     return strategy.model_copy(update={"recompute_layers": None})
-
-
-def head_vocab(facts: ModelFacts, strategy: Strategy) -> int | None:
-    """Under tp the runtime runs the head vocabulary-parallel (Megatron's layout): its collectives
-    are charged from the vocabulary size."""
-    return facts.vocab if strategy.tp > 1 else None
-
-
-def _check_fixed_degrees(fixed: dict[str, Any], world_size: int) -> None:
-    degrees = {key: fixed[key] for key in ("dp", "tp", "pp") if key in fixed}
-    product_ = 1
-    for value in degrees.values():
-        product_ *= value
-    text = "×".join(f"{k}={v}" for k, v in degrees.items())
-    if len(degrees) == 3 and product_ != world_size:
-        raise AutoparError(f"dp×tp×pp = {text} = {product_} but the cluster has {world_size} GPUs: "
-                           f"the product must equal the world size")
-    if degrees and world_size % product_:
-        raise AutoparError(f"{text} = {product_} does not divide the world size {world_size}: "
-                           f"choose degrees whose product divides it")

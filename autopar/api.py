@@ -1,0 +1,272 @@
+"""The public Python API: what the CLI, the tests and the benchmarks all call.
+
+    result = autopar.plan(model, example_inputs, cluster="dgx-h100", global_batch=64)
+    result.plan            # the chosen Plan (None when nothing fits)
+    result.save("plan.json"); result.write_report("plan.html"); result.write_trace("plan.trace.json")
+
+`plan` runs the whole chain, model → op graph → facts → the runtime's capabilities for this model →
+search → plan, so there is one copy of it. Every argument is plain data or an `nn.Module`, and the
+result holds plain data (the plan is a pydantic model you can save, diff and load).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import AutoparError
+from autopar.graph import OpGraph, trace
+from autopar.plan_schema import Plan
+
+Progress = Callable[[str], None]
+
+
+def load_cluster(name_or_file: str | Path, *, gpus: int | None = None) -> ClusterSpec:
+    """A cluster preset (`dgx-h100`, `local`, ...) or a YAML/JSON file, sized to `gpus` if given."""
+    from autopar.cluster import load_cluster as _load
+
+    return _load(str(name_or_file), gpus=gpus)
+
+
+def load_plan(path: str | Path, *, model: nn.Module | None = None) -> Plan:
+    """A plan file; with `model`, checked to belong to it (its fingerprint)."""
+    from autopar.graph.capture import model_fingerprint
+    from autopar.plan_schema import load_plan as _load
+
+    return _load(str(path), expected_fingerprint=None if model is None else model_fingerprint(model))
+
+
+def check_fixed_strategy(strategy: dict[str, Any], world_size: int) -> None:
+    """Fixed dp/tp/pp degrees must fit the world size: checked before any (possibly long) trace."""
+    from autopar.cost_models.strategy import check_fixed_degrees
+
+    check_fixed_degrees(strategy, world_size)
+
+
+def model_hints(module: nn.Module) -> dict[str, int | None]:
+    """Attention heads, key/value heads and vocabulary of a zoo or Hugging Face model, read off its
+    config (None where it has none): the tp degrees the searcher may offer must divide the heads."""
+    config = getattr(module, "config", None)
+
+    def first(*names: str) -> int | None:
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    heads = first("heads", "num_attention_heads", "n_head", "num_heads")
+    return {"heads": heads, "kv_heads": first("num_kv_heads", "num_key_value_heads") or heads,
+            "vocab": first("vocab", "vocab_size")}
+
+
+@dataclass
+class PlanResult:
+    """What `plan` found: the plan, its prediction, the runners-up and why-not rows."""
+
+    plan: Plan | None  # the fastest plan that fits; None when none does
+    search: Any  # searcher.search.SearchResult
+    graph: OpGraph
+    cluster: ClusterSpec
+    global_batch: int
+    seq_len: int | None
+    fixed: dict[str, Any]
+    facts: Any = field(repr=False, default=None)
+    capabilities: Any = field(repr=False, default=None)  # what the runtime can execute for this model
+    _summary: dict[str, Any] | None = field(repr=False, default=None)
+
+    @property
+    def fits(self) -> bool:
+        return self.search.best is not None
+
+    @property
+    def chosen(self):
+        """The chosen candidate, or the closest one when nothing fits."""
+        return self.search.best or self.search.ranked[0]
+
+    @property
+    def prediction(self):
+        """The chosen (or closest) strategy's evaluation: step time, memory, breakdown."""
+        return self.chosen.evaluation
+
+    @property
+    def runners_up(self) -> list:
+        return [c.evaluation for c in self.search.ranked if c is not self.chosen]
+
+    @property
+    def why_not(self) -> list:
+        return list(self.search.why_not)
+
+    def summary(self) -> dict[str, Any]:
+        """The report model (plain data, the `--json` output) every renderer reads."""
+        from autopar.plan_report import plan_summary
+
+        if self._summary is None:
+            self._summary = plan_summary(self.search, model=self.graph.model_name, cluster=self.cluster,
+                                         global_batch=self.global_batch, seq_len=self.seq_len, fixed=self.fixed,
+                                         plan=self.plan)
+        return self._summary
+
+    def no_fit_reason(self) -> str | None:
+        """When nothing fits: how far off the closest plan is and what could help (never what is set)."""
+        if self.fits:
+            return None
+        from autopar.cost_models.memory import state_bytes_per_param
+
+        closest = self.prediction
+        per = state_bytes_per_param(self.facts.precision)
+        states = self.facts.num_params * (per.weight + per.gradient + per.optimizer)
+        needed = -(-int(states) // int(closest.capacity_bytes))
+        fixed = self.fixed
+        helps = [f"add GPUs (≥ {needed} for the model states alone)"]  # the searcher already tried every free key
+        if fixed.get("recompute", "full") != "full" or "recompute_layers" in fixed:
+            helps.append("let recompute be chosen (or recompute=full)")
+        if fixed.get("zero", 3) < 3:
+            helps.append(f"a zero stage above {fixed['zero']}")
+        if fixed.get("microbatch", 1) > 1:
+            helps.append(f"a micro-batch below {fixed['microbatch']}")
+        if any(key in fixed for key in ("dp", "tp", "pp")):
+            helps.append("let dp/tp/pp be chosen")
+        if seq := self.seq_len:
+            helps.append(f"a sequence shorter than {seq}")
+        cause = f" (fixed: {', '.join(f'{k}={v}' for k, v in fixed.items())})" if fixed else ""
+        return (f"no plan fits in {closest.capacity_bytes / 2**30:.1f} GiB per GPU (the closest needs "
+                f"{closest.peak_memory_bytes / 2**30:.1f} GiB){cause}: {'; or '.join(helps)}")
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan file `autopar run --plan` reads."""
+        self.write(plan=path)
+
+    def write_report(self, path: str | Path) -> None:
+        """A self-contained HTML report (mesh, schedule, memory, breakdown, alternatives, sharding)."""
+        self.write(report=path)
+
+    def write_trace(self, path: str | Path) -> None:
+        """The predicted step as a Chrome/Perfetto trace (JSON)."""
+        self.write(trace=path)
+
+    def write(self, *, plan: str | Path | None = None, json_path: str | Path | None = None,
+              report: str | Path | None = None, trace: str | Path | None = None) -> None:
+        """Write any of the outputs, all or none: every text is rendered and every path checked first."""
+        from autopar.io import write_all
+
+        texts: dict[str, str] = {}
+        if plan is not None:
+            if self.plan is None:
+                raise AutoparError(f"no plan fits, so there is no plan to write to {plan}: {self.no_fit_reason()}")
+            texts[str(plan)] = self.plan.to_json()
+        summary = self.summary() if (json_path or report or trace) else None
+        if json_path is not None:
+            texts[str(json_path)] = json.dumps(summary, indent=2)
+        if report is not None:
+            from autopar.report_html import render_html
+
+            texts[str(report)] = render_html(summary)
+        if trace is not None:
+            from autopar.report_trace import render_trace
+
+            texts[str(trace)] = render_trace(summary)
+        write_all(texts)
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    cluster: ClusterSpec | str,
+    global_batch: int,
+    strategy: dict[str, Any] | str | None = None,
+    loss_fn: Callable | None = None,
+    precision: str = "bf16",
+    name: str | None = None,
+    seq_len: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    vocab: int | None = None,
+    use_ilp: bool = True,
+    profile: str | Path | None = None,
+    profile_device: str | None = None,
+    progress: Progress | None = None,
+) -> PlanResult:
+    """Search the best parallel plan for training `model` on `cluster`.
+
+    `example_inputs`: one sample's inputs (batch 1; a tensor, tuple, or dict of keyword inputs), on any
+    device, meta included. `strategy` fixes keys as `--strategy` does ("tp=8,pp=2" or a dict); the
+    searcher chooses the rest. `heads`/`kv_heads`/`vocab` default to the model's config
+    (`model_hints`). `profile`: a profile database calibrating the roofline. Nothing is trained and
+    the model is not modified.
+    """
+    from autopar.cost_models.facts import model_facts
+    from autopar.cost_models.strategy import parse_strategy
+    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.searcher.plan_builder import build_plan
+    from autopar.searcher.search import search
+
+    say = progress or (lambda _message: None)
+    fixed = parse_strategy(strategy) if isinstance(strategy, str) or strategy is None else dict(strategy)
+    if isinstance(cluster, (str, Path)):
+        cluster = load_cluster(cluster)
+    check_fixed_strategy(fixed, cluster.world_size)
+    if global_batch <= 0:
+        raise AutoparError(f"global batch must be positive, got {global_batch}")
+    hints = model_hints(model)
+    heads = heads if heads is not None else hints["heads"]
+    kv_heads = kv_heads if kv_heads is not None else hints["kv_heads"]
+    vocab = vocab if vocab is not None else hints["vocab"]
+    name = name or type(model).__name__
+    say(f"tracing {name} ({precision}" + (f", seq {seq_len}" if seq_len else "") + ") ...")
+    started = time.perf_counter()
+    graph = trace(model, example_inputs, loss_fn=loss_fn, precision=precision, name=name, seq_len=seq_len)
+    say(f"searching {cluster.world_size} GPUs ({len(graph.nodes):,} ops traced in "
+        f"{time.perf_counter() - started:.1f} s) ...")
+    facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
+    efficiency = _calibration(profile, profile_device, graph, cluster, say) if profile else None
+    capabilities = capabilities_for(model)
+    result = search(graph, facts, cluster, global_batch, fixed=fixed, use_ilp=use_ilp, capabilities=capabilities,
+                    **({"efficiency": efficiency} if efficiency else {}))
+    chosen = build_plan(result.best, graph, facts, cluster) if result.best else None
+    return PlanResult(plan=chosen, search=result, graph=graph, cluster=cluster, global_batch=global_batch,
+                      seq_len=seq_len, fixed=fixed, facts=facts, capabilities=capabilities)
+
+
+def _calibration(path: str | Path, device: str | None, graph: OpGraph, cluster: ClusterSpec, say: Progress):
+    from autopar.cost_models.calibration import calibrate_from_database
+    from autopar.profiler.database import ProfileDB
+
+    with ProfileDB(str(path), readonly=True) as db:
+        devices = db.devices()
+        name = device or _matching_device(devices, cluster.gpu.name)
+        if name not in devices:
+            raise AutoparError(
+                f"profile database {path} has no device {name!r} (it has: {', '.join(devices) or 'none'}): "
+                f"pass --profile-device with one of those, profiled on the cluster's GPU kind"
+            )
+        calibration = calibrate_from_database(graph, db, cluster.gpu, name)
+    measured = ", ".join(f"{k} from {n} ops" for k, n in calibration.samples.items() if n) or "nothing measured"
+    say(f"roofline calibrated on {name}: {measured}")
+    return calibration.efficiency
+
+
+def _matching_device(devices: list[str], gpu_name: str) -> str:
+    """A profile is used only for the GPU kind it was measured on: match the kind's model name."""
+    kind = gpu_name.split("-")[0].lower()  # "H100-SXM5-80GB" → "h100"
+    matches = [d for d in devices if kind in d.lower()]
+    if len(matches) != 1:
+        raise AutoparError(
+            f"cannot tell which device of the profile database is a {gpu_name} (it has: {', '.join(devices) or 'none'}): "
+            f"pass --profile-device"
+        )
+    return matches[0]
+
+
+def parallelize(model: nn.Module, plan: Plan, **kwargs):
+    """Shard `model` as `plan` says on the running process group (see autopar.runtime.parallelize)."""
+    from autopar.runtime.parallelize import parallelize as _parallelize  # torch.distributed only when asked for
+
+    return _parallelize(model, plan, **kwargs)

@@ -1,0 +1,88 @@
+"""The public API: the README's example runs as written, and `autopar.plan` is the path every caller takes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import autopar
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_example() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Python API"):]
+    match = re.search(r"```python\n(.*?)```", section, flags=re.S)
+    assert match, "the README's Python API section has no python block"
+    return match.group(1)
+
+
+def test_readme_python_example_runs_verbatim(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(readme_example(), "README.md", "exec"), {"__name__": "__readme__"})
+    out = capsys.readouterr().out
+    assert "predicted" in out and "why not" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["strategy"]["recompute"] == "none"
+    assert (tmp_path / "plan.html").read_text().startswith("<!DOCTYPE html>")
+    assert "traceEvents" in json.loads((tmp_path / "plan.trace.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def unfit():
+    """gpt3-13b on one H100: nothing fits whatever the strategy."""
+    from autopar.models import build_model
+
+    spec = build_model("gpt3-13b")
+    return autopar.plan(spec.module, spec.example_inputs(1, 256), loss_fn=spec.loss_fn, seq_len=256,
+                        cluster=autopar.load_cluster("dgx-h100", gpus=1), global_batch=2, name="gpt3-13b")
+
+
+def test_no_fit_advice_never_suggests_what_is_already_set(unfit):
+    assert unfit.plan is None and not unfit.fits
+    free = unfit.no_fit_reason()
+    assert free.startswith("no plan fits in") and "add GPUs (≥ 3 for the model states alone)" in free
+    assert "zero stage" not in free and "recompute" not in free  # the searcher already tried them
+    at_zero3 = dataclasses.replace(unfit, fixed={"zero": 3, "recompute": "selective", "microbatch": 2}).no_fit_reason()
+    assert "zero stage" not in at_zero3
+    assert "let recompute be chosen" in at_zero3 and "a micro-batch below 2" in at_zero3
+    at_zero1 = dataclasses.replace(unfit, fixed={"zero": 1, "recompute": "full"}).no_fit_reason()
+    assert "a zero stage above 1" in at_zero1 and "recompute" not in at_zero1.split("):", 1)[1]
+
+
+def test_no_plan_is_written_when_none_fits(unfit, tmp_path):
+    with pytest.raises(autopar.AutoparError, match="no plan fits"):
+        unfit.write(plan=tmp_path / "plan.json", json_path=tmp_path / "summary.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_is_all_or_none(tmp_path):
+    """One unwritable output and no file is written at all."""
+    from autopar.models import build_model
+
+    spec = build_model("gpt", "layers=2,hidden=32,heads=4,vocab=96,seq_len=16")
+    result = autopar.plan(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, global_batch=4,
+                          cluster=autopar.load_cluster("dgx-h100", gpus=2), use_ilp=False)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(autopar.AutoparError, match="is a directory"):
+        result.write(plan=tmp_path / "plan.json", report=tmp_path / "taken")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+    result.write(plan=tmp_path / "plan.json", json_path=tmp_path / "summary.json")
+    assert json.loads((tmp_path / "summary.json").read_text())["plan"] == json.loads((tmp_path / "plan.json").read_text())
+
+
+def test_model_hints_read_zoo_and_hugging_face_configs():
+    from autopar.models import build_model
+
+    spec = build_model("llama", "layers=2,hidden=64,heads=8,kv_heads=2,vocab=100,seq_len=16")
+    assert autopar.model_hints(spec.module) == {"heads": 8, "kv_heads": 2, "vocab": 100}
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=77)
+    with __import__("torch").device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    assert autopar.model_hints(model) == {"heads": 4, "kv_heads": 4, "vocab": 77}
