@@ -44,3 +44,19 @@ def test_runtime_mfu_runs_on_cpu(tmp_path):
     assert record["ratios"]["c_over_b"] is None  # nothing compiled to compare
     assert record["ratios"]["autopar_over_eager"] > 0
     assert record["plan"].startswith("dp=1 tp=1 pp=1") and record["matmul_ceiling_flops_per_s"] > 0
+
+
+def test_zoo_coverage_runs_one_cell(tmp_path):
+    """The coverage benchmark plans and runs one model in one mode and reports it (a CNN under dp)."""
+    import json
+
+    out = tmp_path / "zoo.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/zoo_coverage.py", "--only", "plain-cnn", "--modes", "dp", "--json", str(out)],
+        capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "summary: 1 models; dp: 1 ok; crashes 0" in result.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model"] == "plain-cnn" and row["cells"]["dp"] == {"status": "ok", "reason": ""}
