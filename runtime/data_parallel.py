@@ -1,7 +1,8 @@
 """Data parallelism and ZeRO over the dp axis.
 
-- zero 0: replicated parameters; gradients all-reduced (averaged) over dp in buckets after the
-  last micro-batch's backward.
+- zero 0: replicated parameters; gradients all-reduced (averaged) over dp in buckets launched during
+  the last micro-batch's backward as each bucket's gradients become final (as DDP overlaps them),
+  the last bucket exposed: what the evaluator prices (`overlap_grad_sync=True`).
 - zero 1 and 2: FSDP2 without resharding after forward: parameters are gathered once per step and
   kept through backward, gradients reduce-scattered, optimizer states sharded. Zero 1 reduces once
   after the last micro-batch; zero 2 reduce-scatters every micro-batch so only shards of the
@@ -11,6 +12,8 @@ Under a pipeline schedule, torch's stage drives FSDP2's gradient sync itself (la
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -49,35 +52,96 @@ def set_microbatch_boundary(modules: list[nn.Module], zero: int, last: bool) -> 
                 module.set_reshard_after_backward(last)
 
 
-def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
-    """Average replicated gradients over the dp group, flattened into buckets of at most BUCKET_BYTES."""
-    if size == 1:
-        return
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    bucket: list[torch.Tensor] = []
-    filled = 0
-    for grad in grads:
-        bucket.append(grad)
-        filled += grad.numel() * grad.element_size()
-        if filled >= BUCKET_BYTES:
-            _reduce_bucket(bucket, group, size)
-            bucket, filled = [], 0
-    if bucket:
-        _reduce_bucket(bucket, group, size)
+class GradientBuckets:
+    """Zero 0's gradient sync, overlapped with backward.
+
+    The gradients (this rank's local shards, reverse registration order: backward produces the last
+    layers' first) are laid out in one fp32 buffer cut into ceil(bytes / BUCKET_BYTES) chunks of
+    equal size, the calls and bytes the ledger predicts. A parameter's gradient is final after its
+    `accumulations`-th accumulation in a step (one per micro-batch); it is copied into the buffer
+    then, and a chunk whose parameters are all final is all-reduced asynchronously. `finish` sends
+    any chunk still pending (parameters that got no gradient), waits, and writes the averages back.
+    `divide_by` is the dp size, times the micro-batch count when the sum over micro-batches is still
+    to be averaged (a pipeline schedule told not to scale its gradients, since they leave for the
+    buffer before it would).
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, accumulations: int,
+                 divide_by: int) -> None:
+        self.group, self.divide_by, self.accumulations = group, divide_by, accumulations
+        self.params = [p for p in reversed(params) if p.requires_grad]
+        offsets, total = [], 0
+        for param in self.params:
+            offsets.append(total)
+            total += _local(param).numel()
+        self.offsets, self.total = offsets, total
+        self.buffer = torch.zeros(total, dtype=torch.float32, device=_local(self.params[0]).device) if total else None
+        chunks = max(1, math.ceil(total * GRADIENT_BYTES / BUCKET_BYTES))
+        self.bounds = [(total * i // chunks, total * (i + 1) // chunks) for i in range(chunks)]
+        self.members = [[i for i, start in enumerate(offsets) if start < hi and start + _local(self.params[i]).numel() > lo]
+                        for lo, hi in self.bounds]
+        self.chunks_of = [[c for c, members in enumerate(self.members) if i in members] for i in range(len(self.params))]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self._reset()
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _reset(self) -> None:
+        self.count = [0] * len(self.params)
+        self.pending = [len(members) for members in self.members]
+        self.handles: dict[int, object] = {}
+        if self.buffer is not None:
+            self.buffer.zero_()
+
+    def _accumulated(self, param: nn.Parameter) -> None:
+        i = self.index[id(param)]
+        self.count[i] += 1
+        if self.count[i] != self.accumulations:
+            return
+        grad = _matching(param)
+        start = self.offsets[i]
+        self.buffer[start:start + grad.numel()].copy_(grad.reshape(-1))
+        for chunk in self.chunks_of[i]:
+            self.pending[chunk] -= 1
+            if self.pending[chunk] == 0:
+                self._launch(chunk)
+
+    def _launch(self, chunk: int) -> None:
+        lo, hi = self.bounds[chunk]
+        self.handles[chunk] = dist.all_reduce(self.buffer[lo:hi], group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """After the last backward: every chunk sent and averaged, gradients written back."""
+        if self.buffer is None:
+            return
+        for i, param in enumerate(self.params):  # final gradients whose hook never completed (unused)
+            if self.count[i] and self.count[i] != self.accumulations:
+                self.count[i] = self.accumulations - 1
+                self._accumulated(param)
+        for chunk in range(len(self.bounds)):
+            if chunk not in self.handles:
+                self._launch(chunk)
+        for chunk in range(len(self.bounds)):
+            self.handles[chunk].wait()
+        self.buffer.div_(self.divide_by)
+        for param, start in zip(self.params, self.offsets):
+            if param.grad is not None:
+                local = _local(param.grad)
+                local.copy_(self.buffer[start:start + local.numel()].view_as(local))
+        self._reset()
 
 
-def _reduce_bucket(grads: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        flat.div_(size)
-        offset = 0
-        for grad in same:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+GRADIENT_BYTES = 4  # reduced in fp32, as the ledger's GRADIENT_REDUCE_BYTES
+
+
+def _matching(param: nn.Parameter) -> torch.Tensor:
+    """The local gradient laid out as the parameter's local shard. A vocabulary-parallel embedding's
+    gradient comes back replicated: slicing it to the weight's shard costs no communication."""
+    grad = param.grad
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements \
+            and not any(p.is_partial() for p in grad.placements):
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
+    return _local(grad)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

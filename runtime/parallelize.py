@@ -1,7 +1,7 @@
 """Compose the runtime's concerns into a model that trains as the plan says.
 
 Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel →
-recompute → FSDP/ZeRO → materialize local shards → schedule. Tensor parallelism comes before FSDP
+recompute → FSDP/ZeRO → materialize local shards → schedule → dp gradient buckets (zero 0). Tensor parallelism comes before FSDP
 so FSDP shards the DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside
 the checkpointed forward; materialization last, so every rank only ever allocates its shards.
 """
@@ -24,7 +24,7 @@ from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan_schema import Plan
 from autopar.runtime.compile import compile_blocks
-from autopar.runtime.data_parallel import all_reduce_gradients, apply_fsdp, set_microbatch_boundary
+from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, set_microbatch_boundary
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.pipeline import build_schedule, check_stage_cover, stage_module, tied_pp_ranks
@@ -46,6 +46,7 @@ class ParallelModel:
     tied_groups: list[tuple[str, dist.ProcessGroup, list[int]]] = field(default_factory=list)  # (alias, group, pp ranks)
     vocab_parallel_loss: bool = False
     canonical: dict[str, str] = field(default_factory=dict)  # alias of a tied weight -> its first name
+    gradient_buckets: GradientBuckets | None = None  # zero 0 over dp > 1: the sync overlapped with backward
 
     @property
     def strategy(self):
@@ -109,7 +110,10 @@ class ParallelModel:
         return total
 
     def sync_gradients(self) -> None:
-        """What the step adds after backward: tied weights across stages, then replicated dp gradients."""
+        """What the step adds after backward: the dp buckets still in flight, then partial sums over tp
+        (sequence-parallel norms) and tied weights across stages."""
+        if self.gradient_buckets is not None:
+            self.gradient_buckets.finish()
         named = self.named_parameters()
         _sum_partial_gradients(list(named.values()))
         for param in named.values():
@@ -118,8 +122,6 @@ class ParallelModel:
             grad = named[name].grad
             if grad is not None:
                 dist.all_reduce(_local_value(grad), group=group)
-        if self.strategy.zero == 0:
-            all_reduce_gradients(self.parameters(), self.layout.group("dp"), self.layout.size("dp"))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over every shard and stage (one scalar all-reduce), then clip."""
@@ -288,9 +290,15 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
                              vocab_parallel_loss=vocab_parallel)
     parallel.tied_groups = _tied_groups(model, plan, layout)
     parallel.canonical = dict(source.alias)
+    buckets = s.zero == 0 and layout.size("dp") > 1
     if s.pp > 1:  # 7. the pipeline schedule over this rank's stages
         parallel.schedule = build_schedule(modules, layout.stage_indices, len(plan.stages), layout.device,
-                                           layout.group("pp"), s.schedule, s.num_microbatches, loss_fn)
+                                           layout.group("pp"), s.schedule, s.num_microbatches, loss_fn,
+                                           scale_grads=not buckets)
+    if buckets:  # 8. dp sync in buckets, overlapped with the last backward (they average over micro-batches too)
+        parallel.gradient_buckets = GradientBuckets(
+            parallel.parameters(), layout.group("dp"), accumulations=s.num_microbatches,
+            divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
     return parallel
 
 

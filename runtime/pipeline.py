@@ -80,15 +80,16 @@ def check_stage_cover(reference: nn.Module, plan: Plan) -> None:
 
 
 def build_schedule(stages: list[nn.Module], stage_indices: list[int], num_stages: int, device: torch.device,
-                   group: dist.ProcessGroup, schedule: str, num_microbatches: int, loss_fn):
+                   group: dist.ProcessGroup, schedule: str, num_microbatches: int, loss_fn, scale_grads: bool = True):
+    """`scale_grads=False`: the schedule leaves gradients summed over micro-batches (the caller averages)."""
     pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group)
                        for module, index in zip(stages, stage_indices)]
     kind = SCHEDULES[schedule]
     if schedule == "interleaved":
-        return kind(pipeline_stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+        return kind(pipeline_stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     if len(pipeline_stages) != 1:
         raise AutoparError(f"schedule {schedule} runs one stage per rank, the plan gives {len(pipeline_stages)}")
-    return kind(pipeline_stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn)
+    return kind(pipeline_stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def tied_pp_ranks(reference: nn.Module, plan: Plan) -> dict[str, list[int]]:
