@@ -96,7 +96,7 @@ def search(
     ranked.sort(key=lambda c: _rank_key(c.evaluation))
     best = ranked[0] if ranked[0].evaluation.fits else None
     why_not = why_not_rows(ranked, quick, facts, cluster, global_batch, efficiency, best, fixed=fixed,
-                           layers=layers, supports=capabilities.supports)
+                           layers=layers, runners_up=top_k - 1, supports=capabilities.supports)
     return SearchResult(
         best=best, ranked=ranked[:top_k], why_not=why_not, candidates=count, rejected=rejected,
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,

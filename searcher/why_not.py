@@ -29,7 +29,6 @@ from autopar.cost_models.strategy import check_strategy
 from autopar.searcher.candidates import completions, fit_recompute, quick_evaluations
 
 GiB = 2**30
-RUNNERS_UP = 3  # runner-up rows (the search keeps more runners-up; these are the closest)
 SAME_SPEED = 1.005  # within 0.5% reads "as fast"
 # Keys of --strategy a family may contradict: they are dropped when pricing it on its own.
 _LAYOUT_KEYS = ("dp", "tp", "pp", "schedule", "vp")
@@ -47,14 +46,15 @@ class WhyNot:
 
 
 def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, cluster: ClusterSpec, global_batch: int,
-                 efficiency: Efficiency, best, *, fixed: dict[str, Any], layers: int,
+                 efficiency: Efficiency, best, *, fixed: dict[str, Any], layers: int, runners_up: int = 4,
                  supports: Callable[[Strategy], str | None] | None = None) -> list[WhyNot]:
-    """`ranked`: the refined candidates, best first; `quick`: every valid completion, ranked."""
+    """`ranked`: the refined candidates, best first (a row for each of the first `runners_up` after
+    the first); `quick`: every valid completion, ranked."""
     reference = best.evaluation if best else ranked[0].evaluation
     fitted = fit_recompute(fixed)
     rows: list[WhyNot] = []
     seen: dict[Any, WhyNot] = {_key(reference.strategy, fitted): None}  # the chosen plan has no row
-    for candidate in ranked[1:1 + RUNNERS_UP]:
+    for candidate in ranked[1:1 + runners_up]:
         _add(rows, seen, _priced("runner-up", candidate.evaluation, reference), fitted)
     world, per_node = cluster.world_size, cluster.gpus_per_node
     tp_node = min(per_node, world)
