@@ -4,6 +4,7 @@ and every alternative with the number that makes it lose."""
 
 from __future__ import annotations
 
+from autopar.cost_models.strategy import STRATEGY_KEYS
 from autopar.report.model import Report
 from autopar.report.views import (GiB, compact_units, mfu_label, mfu_text, obvious_rows, plural, rank_rows,
                                   recompute_text, runner_up_reasons, seconds_text, strategy_flag,
@@ -46,8 +47,9 @@ def _layout(report: Report) -> str:
             how += " (the first ones of each stage; per rank below)"
         lines.append(f"recompute     {s.recompute}, {how}")
     flag, note = strategy_flag(s, report.fixed)
-    chosen = ("chosen by the cost model" if not report.fixed
-              else f"fixed: {', '.join(report.fixed)}; the rest chosen by the cost model")
+    free = [key for key in STRATEGY_KEYS if key not in report.fixed]
+    chosen = ("chosen by the cost model" if not report.fixed else f"fixed: {', '.join(report.fixed)}"
+              + ("; the rest chosen by the cost model" if free else ""))
     lines.append(f"--strategy    {flag}   ({chosen})")
     if note:
         lines.append(f"              ({note})")
