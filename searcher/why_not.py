@@ -53,7 +53,7 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
     reference = best.evaluation if best else ranked[0].evaluation
     fitted = fit_recompute(fixed)
     rows: list[WhyNot] = []
-    seen: dict[Any, WhyNot] = {_key(reference.strategy, fitted): None}  # the chosen plan has no row
+    seen: dict[Any, WhyNot | None] = {_key(reference.strategy, fitted): None}  # the chosen plan has no row
     for candidate in ranked[1:1 + runners_up]:
         _add(rows, seen, _priced("runner-up", candidate.evaluation, reference), fitted)
     world, per_node = cluster.world_size, cluster.gpus_per_node
