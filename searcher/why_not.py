@@ -65,7 +65,7 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
         members = [e for e in quick if all(getattr(e.strategy, k) == v for k, v in degrees.items())]
         without = rule = ""
         if members:
-            choice, batch = members[0].strategy, global_batch  # quick is ranked: the best of its family
+            choice, batch = _best_of(members).strategy, global_batch
         else:
             choice, batch, without, rule = _family_on_its_own(degrees, fixed, facts, cluster, global_batch,
                                                               efficiency, layers, supports)
@@ -76,6 +76,14 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
                          vocab=head_vocab(facts, choice))  # as `refine` prices Megatron
         _add(rows, seen, _priced(label, exact, reference, without=without, batch_rule=rule), fitted)
     return rows
+
+
+def _best_of(evaluations: list[Evaluation]) -> Evaluation:
+    """The fastest that fits; when none fits, the one closest to fitting (least memory)."""
+    fitting = [e for e in evaluations if e.fits]
+    if fitting:
+        return min(fitting, key=lambda e: e.step_time_s)
+    return min(evaluations, key=lambda e: e.peak_memory_bytes)
 
 
 def _key(strategy: Strategy | None, fitted: bool) -> Any:
@@ -120,8 +128,7 @@ def _family_on_its_own(degrees: dict[str, int], fixed: dict[str, Any], facts: Mo
         except AutoparError:
             rule = rule or _commonest_rule(keys, facts, cluster, batch, layers, supports)
             continue
-        quick.sort(key=lambda e: (not e.fits, e.step_time_s))
-        choice = quick[0].strategy
+        choice = _best_of(quick).strategy
         dropped = ",".join(f"{k}={v}" for k, v in fixed.items() if k in _LAYOUT_KEYS and getattr(choice, k) != v)
         return choice, batch, dropped, rule
     return None, global_batch, "", rule

@@ -33,10 +33,11 @@ def _layout(report: Report) -> str:
                                                          if s.zero else [])
     lines = [f"parallelism   tp={s.tp} × pp={s.pp} × dp={s.dp} = {s.tp * s.pp * s.dp} GPUs"
              + "".join(f", {e}" for e in extras)]
-    schedule = _SCHEDULES.get(s.schedule, s.schedule)
+    schedule = _SCHEDULES.get(s.schedule, s.schedule) if s.pp > 1 else "no pipeline"
     chunks = f", {s.vp} virtual stages per pipeline rank" if s.vp > 1 else ""
+    accumulate = " (gradient accumulation)" if s.pp == 1 and s.num_microbatches > 1 else ""
     lines.append(f"schedule      {schedule}{chunks}; {plural(s.num_microbatches, 'micro-batch', 'micro-batches')} "
-                 f"of {plural(s.microbatch, 'sequence')} per step")
+                 f"of {plural(s.microbatch, 'sequence')} per step{accumulate}")
     if s.recompute != "none":
         done = sum(st.recomputed_layers for st in report.stages)
         total = sum(st.layers for st in report.stages) if all(st.layers is not None for st in report.stages) else None
