@@ -79,7 +79,7 @@ class PlanResult:
     fixed: dict[str, Any]
     facts: Any = field(repr=False, default=None)
     capabilities: Any = field(repr=False, default=None)  # what the runtime can execute for this model
-    _summary: dict[str, Any] | None = field(repr=False, default=None)
+    _summary: Any = field(repr=False, default=None)  # the Report, built on first use
 
     @property
     def fits(self) -> bool:
@@ -103,14 +103,15 @@ class PlanResult:
     def why_not(self) -> list:
         return list(self.search.why_not)
 
-    def summary(self) -> dict[str, Any]:
-        """The report model (plain data, the `--json` output) every renderer reads."""
-        from autopar.plan_report import plan_summary
+    def summary(self):
+        """The report model (`autopar.report.Report`) every renderer reads; `--json` is its
+        `model_dump(mode="json")`."""
+        from autopar.report import build_report
 
         if self._summary is None:
-            self._summary = plan_summary(self.search, model=self.graph.model_name, cluster=self.cluster,
+            self._summary = build_report(self.search, model=self.graph.model_name, cluster=self.cluster,
                                          global_batch=self.global_batch, seq_len=self.seq_len, fixed=self.fixed,
-                                         plan=self.plan)
+                                         precision=self.graph.precision, plan=self.plan)
         return self._summary
 
     def no_fit_reason(self) -> str | None:
@@ -163,13 +164,13 @@ class PlanResult:
             texts[str(plan)] = self.plan.to_json()
         summary = self.summary() if (json_path or report or trace) else None
         if json_path is not None:
-            texts[str(json_path)] = json.dumps(summary, indent=2)
+            texts[str(json_path)] = json.dumps(summary.model_dump(mode="json"), indent=2)
         if report is not None:
-            from autopar.report_html import render_html
+            from autopar.report import render_html
 
             texts[str(report)] = render_html(summary)
         if trace is not None:
-            from autopar.report_trace import render_trace
+            from autopar.report import render_trace
 
             texts[str(trace)] = render_trace(summary)
         write_all(texts)

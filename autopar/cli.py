@@ -134,7 +134,7 @@ def _plan(args: argparse.Namespace) -> int:
     from autopar.cost_models.strategy import parse_strategy
     from autopar.io import check_output_path
     from autopar.models import build_model
-    from autopar.plan_report import render
+    from autopar.report import render_text
 
     outputs = {"--save-plan": args.save_plan, "--json": None if args.json == "-" else args.json,
                "--report": args.report, "--trace": args.trace}
@@ -154,11 +154,11 @@ def _plan(args: argparse.Namespace) -> int:
                           progress=_say)
     result.write(plan=args.save_plan if result.fits else None, json_path=outputs["--json"], report=args.report,
                  trace=args.trace)
-    summary = result.summary()
+    report = result.summary()
     if args.json == "-":
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(report.model_dump(mode="json"), indent=2))
     else:
-        print(render(summary))
+        print(render_text(report))
     if args.report:
         _say(f"wrote report {args.report}")
     if args.trace:

@@ -279,6 +279,8 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
             print(f"training {spec.name} ({num_params:,} parameters, {precision}) for {steps} on "
                   f"{env.world_size} process(es), {device.type}: {_strategy_text(plan.strategy)}; global batch "
                   f"{global_batch} x seq {seq_len}; data: {described}", flush=True)
+            if peak:
+                print(_mfu_basis_text(cluster, precision, device.type, nominal), flush=True)
         loop = TrainingLoop(args, env, parallel, optimizer, data, checkpointer, plan, global_batch * seq_len,
                             SYNTHETIC if dataset is None else str(dataset.path))
         reporter = Reporter(args, env.rank, first_step)
@@ -339,6 +341,16 @@ def _resume(args, env: Environment, checkpointer, parallel, optimizer, data) -> 
     if env.rank == 0:
         print(f"resumed from {source.loaded.path} (step {step})", flush=True)
     return step
+
+
+def _mfu_basis_text(cluster, precision: str, device_type: str, nominal: bool) -> str:
+    """What the logged MFU is relative to (the same wording as the plan report's)."""
+    from autopar.report.build import mfu_basis
+    from autopar.report.views import mfu_text
+
+    basis = mfu_basis(cluster, precision)
+    running_on = device_type if nominal and basis is not None and not basis.nominal else None
+    return mfu_text(basis, flops="6 × parameters × tokens/s per device", running_on=running_on)
 
 
 def _peak_flops(cluster, precision: str, world_size: int) -> float | None:

@@ -164,7 +164,7 @@ def union_length_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def _report(loop, measured: dict[str, Any], reporter) -> None:
-    from autopar.plan_report import compare, render_comparison
+    from autopar.report import compare, render_comparison
 
     plan = loop.plan
     if plan.predicted is None:
@@ -175,7 +175,7 @@ def _report(loop, measured: dict[str, Any], reporter) -> None:
     reporter.say(f"(predicted for cluster {plan.provenance.cluster_name}; measured on this launch's "
                  f"{loop.parallel.layout.device.type} devices: compare on the hardware the plan was made for)")
     if loop.config.report and reporter.active:
-        from autopar.report_html import append_measured_section
+        from autopar.report import append_measured_section
 
         append_measured_section(loop.config.report, rows)
         reporter.say(f"appended predicted vs measured to {loop.config.report}")

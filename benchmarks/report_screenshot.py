@@ -1,7 +1,7 @@
 """Regenerate docs/plan-gpt3-175b-1024.png: the HTML plan report of GPT-3 175B on 1,024 H100s,
 rendered by headless Chromium.
 
-    python benchmarks/report_screenshot.py            # plans (about a minute), then screenshots
+    python benchmarks/report_screenshot.py            # plans (1-2 minutes on 2 CPU cores), then screenshots
     python benchmarks/report_screenshot.py --html r.html --out /tmp/r.png   # screenshot a written report
 
 Also the browser helpers tests/test_report.py uses: Chromium's own command line (--dump-dom,

@@ -11,7 +11,8 @@
    (`placed_units`), cut the units into stages with the inter-op dynamic program, and evaluate
    exactly (simulated schedule) with the evaluator Megatron's layout goes through: the plan that
    runs is the plan that was costed. Per-stage recompute counts are fitted to each partition.
-3. Keep the fastest plan that fits, the runners-up, and why-not rows for the obvious alternatives.
+3. Keep the fastest plan that fits, the runners-up, and why-not rows for the obvious alternatives
+   (`searcher.why_not`: why each loses, in numbers).
 No nn.Module is touched here: inputs are the op graph, its facts and the cluster.
 """
 
@@ -34,11 +35,11 @@ from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as eve
 from autopar.cost_models.collectives import placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.memory import model_state_bytes, usable_bytes
-from autopar.cost_models.strategy import check_strategy
 from autopar.cost_models.collectives import head_vocab
 from autopar.searcher.candidates import fit_recompute, quick_evaluations, unfitted
 from autopar.searcher.inter_op import UnitCost, partition as dp_partition
 from autopar.searcher.memory_budget import LayerBudget, layer_budget
+from autopar.searcher.why_not import WhyNot, why_not_rows
 
 REFINE_TOP = 12
 
@@ -53,13 +54,6 @@ class Candidate:
     @property
     def strategy(self) -> Strategy:
         return self.evaluation.strategy
-
-
-@dataclass
-class WhyNot:
-    label: str
-    strategy: Strategy | None
-    reason: str
 
 
 @dataclass
@@ -101,7 +95,8 @@ def search(
     ranked = [refiner.refine(e.strategy) for e in quick[:REFINE_TOP]]
     ranked.sort(key=lambda c: _rank_key(c.evaluation))
     best = ranked[0] if ranked[0].evaluation.fits else None
-    why_not = _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best)
+    why_not = why_not_rows(ranked, quick, facts, cluster, global_batch, efficiency, best, fixed=fixed,
+                           layers=layers, runners_up=top_k - 1, supports=capabilities.supports)
     return SearchResult(
         best=best, ranked=ranked[:top_k], why_not=why_not, candidates=count, rejected=rejected,
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,
@@ -347,58 +342,3 @@ def one_each_proposal(proposed: dict[str, list[str]], limit: int = 8) -> list[di
     for name, options in proposed.items():
         choices = [{**choice, name: option} for choice in choices for option in options][:limit]
     return choices
-
-
-def _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best) -> list[WhyNot]:
-    reference = best.evaluation if best else ranked[0].evaluation
-    rows: list[WhyNot] = []
-    for candidate in ranked[1:4]:
-        rows.append(WhyNot("runner-up", candidate.strategy, _reason(candidate.evaluation, reference)))
-    world, per_node = cluster.world_size, cluster.gpus_per_node
-    obvious = {
-        "pure data parallel": lambda s: s.tp == 1 and s.pp == 1,
-        f"tensor parallel only (tp={min(per_node, world)})": lambda s: s.tp == min(per_node, world) and s.pp == 1,
-        "no pipeline (pp=1)": lambda s: s.pp == 1,
-    }
-    representative = {
-        "pure data parallel": (world, 1),
-        f"tensor parallel only (tp={min(per_node, world)})": (world // min(per_node, world), min(per_node, world)),
-        "no pipeline (pp=1)": None,
-    }
-    for label, wanted in obvious.items():
-        options = [e for e in quick if wanted(e.strategy)]
-        if not options:
-            rows.append(WhyNot(label, None, _rule_broken(representative[label], facts, cluster, global_batch)))
-            continue
-        choice = options[0]  # quick is ranked: the best of its family
-        exact = evaluate(facts, cluster, choice.strategy, global_batch, efficiency=efficiency,
-                         vocab=head_vocab(facts, choice.strategy))  # as `refine` prices Megatron
-        if best is not None and choice.strategy == best.strategy:
-            continue
-        rows.append(WhyNot(label, choice.strategy, _reason(exact, reference)))
-    return rows
-
-
-def _reason(evaluation: Evaluation, reference: Evaluation) -> str:
-    gib = 2**30
-    if not evaluation.fits:
-        return (f"needs {evaluation.peak_memory_bytes / gib:.1f} GiB > {evaluation.capacity_bytes / gib:.1f} GiB "
-                f"usable per GPU")
-    ratio = evaluation.step_time_s / reference.step_time_s
-    growth = {k: evaluation.breakdown.get(k, 0.0) - reference.breakdown.get(k, 0.0) for k in evaluation.breakdown}
-    key, extra = max(growth.items(), key=lambda item: item[1])
-    detail = f"{key.replace('_', ' ')} +{extra:.2f} s" if extra > 0 else "slower overall"
-    return f"{ratio:.2f}× step time ({detail})"
-
-
-def _rule_broken(degrees, facts: ModelFacts, cluster: ClusterSpec, global_batch: int) -> str:
-    """Why no strategy of a family is valid: the rule its plainest member breaks."""
-    if degrees is not None:
-        dp, tp = degrees
-        try:
-            plain = Strategy(dp=dp, tp=tp, pp=1, microbatch=1, num_microbatches=max(global_batch // dp, 1))
-            check_strategy(plain, world_size=cluster.world_size, global_batch=global_batch,
-                           layers=max(len(facts.layer_units), 1), heads=facts.heads, kv_heads=facts.kv_heads)
-        except (AutoparError, ValueError) as error:
-            return f"invalid: {error}"
-    return "excluded by a rule or by what the runtime can execute"

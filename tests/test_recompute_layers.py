@@ -5,7 +5,9 @@ import pytest
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.plan_schema import Strategy
-from autopar.plan_report import evaluation_summary, plan_summary, render
+from autopar.report import build_report, render_text
+from autopar.report.build import evaluation_report
+from autopar.report.views import plural
 from autopar.cost_models.collectives import step_collectives
 from autopar.cost_models.evaluate import evaluate, partition, with_fewest_recomputed_layers
 from autopar.cost_models.memory import RESERVED_BYTES
@@ -110,12 +112,13 @@ def test_search_picks_per_stage_counts_when_memory_is_tight_and_the_plan_lists_t
                                                             "recompute_layers": "all"}, use_ilp=False)
     assert fixed_all.best.strategy.recompute_layers is None  # every layer, as asked: not fitted
     assert fixed_all.best.evaluation.step_time_s == pytest.approx(everything.best.evaluation.step_time_s)
-    summary = evaluation_summary(best.evaluation)  # what the report shows per stage
-    assert [st["recomputed_layers"] for st in summary["stages"]] == list(best.strategy.recompute_layers)
-    text = render(plan_summary(result, model="gpt", cluster=cluster, global_batch=BATCH, seq_len=facts.seq_len,
-                               fixed=fixed))
+    shown = evaluation_report(best)  # what the report shows per stage
+    assert [st.recomputed_layers for st in shown.stages] == list(best.strategy.recompute_layers)
+    assert [st.layers for st in shown.stages] == [2, 2, 2, 2]
+    text = render_text(build_report(result, model="gpt", cluster=cluster, global_batch=BATCH, seq_len=facts.seq_len,
+                                    fixed=fixed))
     assert f"recompute_layers={'/'.join(map(str, best.strategy.recompute_layers))}" in text
-    assert f"recompute {best.strategy.recompute_layers[0]} layers" in text
+    assert f"{best.strategy.recompute_layers[0]} of {plural(2, 'layer')}" in text  # rank 0's line
     plan = build_plan(best, graph, facts, cluster)
     assert plan.strategy.recompute_layers == best.strategy.recompute_layers
     assert plan.recompute_modules == recomputed_units(best.stages, best.strategy)

@@ -54,6 +54,9 @@ def test_one_process_trains_and_writes_metrics(single_run):
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 0.3, losses  # the synthetic stream is learnable: the loss really falls
     assert "synthetic" in out and "dp=1 tp=1 pp=1" in out
+    # the log says once what its "MFU (nominal)" is relative to
+    assert out.count("MFU (nominal) = 6 × parameters × tokens/s per device, over a placeholder fp32 peak of "
+                     "1 TFLOP/s for cpu, a device known only nominally") == 1
     assert sum(line.startswith("step ") for line in out.splitlines()) == 6
     assert not dist.is_initialized()  # the group the run made for itself is gone
 

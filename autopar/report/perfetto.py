@@ -4,8 +4,7 @@ One process per pipeline rank (all dp×tp GPUs of a rank run the same timeline),
 compute (forward/backward passes, which include their tensor-parallel collectives as the cost
 model does, then the optimizer step), point-to-point sends between stages, and the exposed
 data-parallel gradient sync. Times are microseconds from the start of the step, so the file
-opens beside a torch.profiler trace in Perfetto or chrome://tracing. Built from the plan summary
-only (`autopar.plan_report.plan_summary`).
+opens beside a torch.profiler trace in Perfetto or chrome://tracing. Built from the report model only.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from autopar.report_timeline import schedule_inputs, timeline
+from autopar.report.model import Report
+from autopar.report.timeline import p2p_s, timeline
 
 US_PER_S = 1e6
 COMPUTE_TID = 1
@@ -32,13 +32,12 @@ def _lane(lanes: dict[tuple[int, int], list[float]], pid: int, base: int, start_
     return base + len(free) - 1
 
 
-def trace_events(summary: dict[str, Any]) -> dict[str, Any]:
+def trace_events(report: Report) -> dict[str, Any]:
     """The trace as a dict: {"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}."""
-    inputs = schedule_inputs(summary)
-    pp, stages = inputs["pp"], inputs["pp"] * inputs["vp"]
-    p2p_us = inputs["p2p_s"] * US_PER_S
-    pipeline = summary.get("pipeline") or {}
-    gpus_per_rank = summary["strategy"]["dp"] * summary["strategy"]["tp"]
+    s = report.strategy
+    pp, stages = s.pp, s.pp * s.vp
+    p2p_us = p2p_s(report) * US_PER_S
+    gpus_per_rank = s.dp * s.tp
     events: list[dict[str, Any]] = []
     lanes: dict[tuple[int, int], list[float]] = {}
     send_lanes: set[tuple[int, int]] = set()
@@ -48,22 +47,23 @@ def trace_events(summary: dict[str, Any]) -> dict[str, Any]:
         events.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": round(start_us, 3),
                        "dur": round(dur_us, 3), "args": args})
 
-    for x in timeline(summary):
-        rank, start_us, end_us = x["rank"], x["start_s"] * US_PER_S, x["end_s"] * US_PER_S
-        rank_end_us[rank] = max(rank_end_us[rank], end_us)
-        forward = x["kind"] == "F"
-        complete(f"{'forward' if forward else 'backward'} mb{x['microbatch']} stage{x['stage']}",
-                 "forward" if forward else "backward", rank, COMPUTE_TID, start_us, end_us - start_us,
-                 microbatch=x["microbatch"], virtual_stage=x["stage"], includes="tensor-parallel collectives")
-        target = x["stage"] + 1 if forward else x["stage"] - 1
+    for x in timeline(report):
+        start_us, end_us = x.start_s * US_PER_S, x.end_s * US_PER_S
+        rank_end_us[x.rank] = max(rank_end_us[x.rank], end_us)
+        forward = x.kind == "F"
+        complete(f"{'forward' if forward else 'backward'} mb{x.microbatch} stage{x.stage}",
+                 "forward" if forward else "backward", x.rank, COMPUTE_TID, start_us, end_us - start_us,
+                 microbatch=x.microbatch, virtual_stage=x.stage, includes="tensor-parallel collectives")
+        target = x.stage + 1 if forward else x.stage - 1
         if pp > 1 and p2p_us > 0 and 0 <= target < stages:
-            tid = _lane(lanes, rank, SEND_TID, end_us, end_us + p2p_us)
-            send_lanes.add((rank, tid))
-            complete(f"send {'activations' if forward else 'gradients'} mb{x['microbatch']} → stage{target}",
-                     "p2p", rank, tid, end_us, p2p_us, microbatch=x["microbatch"], to_stage=target,
+            tid = _lane(lanes, x.rank, SEND_TID, end_us, end_us + p2p_us)
+            send_lanes.add((x.rank, tid))
+            complete(f"send {'activations' if forward else 'gradients'} mb{x.microbatch} → stage{target}",
+                     "p2p", x.rank, tid, end_us, p2p_us, microbatch=x.microbatch, to_stage=target,
                      to_rank=target % pp)
-    sync_s = pipeline.get("exposed_sync_s") or [0.0] * pp
-    optimizer_s = pipeline.get("optimizer_s") or [summary["predicted"]["breakdown"].get("optimizer", 0.0)] * pp
+    pipeline = report.pipeline
+    sync_s = pipeline.exposed_sync_s if pipeline is not None else [0.0] * pp
+    optimizer_s = pipeline.optimizer_s if pipeline is not None else [report.predicted.breakdown.optimizer] * pp
     for rank in range(pp):
         start_us = rank_end_us[rank]
         if sync_s[rank] > 0:
@@ -86,10 +86,9 @@ def trace_events(summary: dict[str, Any]) -> dict[str, Any]:
         metadata.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                          "args": {"name": f"communication: p2p send{'' if tid == SEND_TID else f' {tid - SEND_TID + 1}'}"}})
     return {"traceEvents": metadata + events, "displayTimeUnit": "ms",
-            "otherData": {"source": "autopar plan (predicted)", "model": summary.get("model"),
-                          "strategy": json.dumps(summary["strategy"]),
-                          "step_time_s": summary["predicted"]["step_time_s"]}}
+            "otherData": {"source": "autopar plan (predicted)", "model": report.model,
+                          "strategy": s.model_dump_json(), "step_time_s": report.predicted.step_time_s}}
 
 
-def render_trace(summary: dict[str, Any]) -> str:
-    return json.dumps(trace_events(summary), separators=(",", ":"))
+def render_trace(report: Report) -> str:
+    return json.dumps(trace_events(report), separators=(",", ":"))

@@ -1,4 +1,4 @@
-"""Inline SVG drawings for the HTML plan report, from the plan summary's plain data.
+"""Inline SVG drawings for the HTML plan report, from the report model.
 
 Drawn compactly so a 1,024-GPU plan stays readable and small: a few nodes in detail (GPUs coloured
 by tensor-parallel group), then every node as one cell coloured by pipeline rank; the schedule as
@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 import re
 from html import escape
-from typing import Any
 
-from autopar.plan_report import GiB, coordinates
+from autopar.cost_models.pipeline import Pass
+from autopar.report.model import LinkInfo, Report
+from autopar.report.views import GiB
 
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac", "#86bcb6", "#d37295"]
@@ -33,8 +34,8 @@ def _svg(width: float, height: float, body: list[str], ident: str) -> str:
             f'viewBox="0 0 {_f(width)} {_f(height)}" font-family="sans-serif" font-size="11">' + "".join(body) + "</svg>")
 
 
-def _bandwidth(link: dict[str, Any] | None) -> str:
-    return "" if not link else f" ({link['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s per GPU)"
+def _bandwidth(link: LinkInfo | None) -> str:
+    return "" if not link else f" ({link.bandwidth_bytes_per_s / 1e9:.0f} GB/s per GPU)"
 
 
 def _span(ranks: list[int]) -> str:
@@ -44,35 +45,31 @@ def _span(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def group_rows(summary: dict[str, Any]) -> list[dict[str, str]]:
-    """One table row per mesh axis: group size, count, an example group and its link."""
-    mesh = summary["mesh"]
+def group_rows(report: Report) -> list[list[str]]:
+    """One table row per mesh axis: axis, group size, count, an example group, where, link."""
     rows = []
     for axis in ("tp", "dp", "pp"):
-        info = mesh["axes"][axis]
-        nodes = info["nodes_per_group"]
-        rows.append({"axis": axis, "size": str(info["size"]), "groups": str(info["groups"]),
-                     "example": _span(info["first_group"]),
-                     "placement": "inside one node" if info["within_node"] else f"across {nodes} nodes",
-                     "link": info["link"]})
+        info = report.mesh.axes[axis]
+        where = "inside one node" if info.within_node else f"across {info.nodes_per_group} nodes"
+        rows.append([axis, str(info.size), str(info.groups), _span(info.first_group), where, info.link])
     return rows
 
 
-def mesh_svg(summary: dict[str, Any]) -> str:
+def mesh_svg(report: Report) -> str:
     """Detail of the first nodes (GPUs by tp group) and a grid of all nodes coloured by pp rank."""
-    mesh = summary["mesh"]
-    per_node, nodes = mesh["gpus_per_node"], mesh["num_nodes"]
-    tp_stride = mesh["axes"]["tp"]["size"]
-    links = mesh["links"]
+    mesh = report.mesh
+    per_node, nodes = mesh.gpus_per_node, mesh.num_nodes
+    tp_stride = mesh.axes["tp"].size
+    links = mesh.links
     body: list[str] = []
     gpu_w, gpu_h, pad = 58, 40, 8
     node_w = per_node * (gpu_w + 6) + 2 * pad
     detail = min(DETAIL_NODES, nodes)
     y = 6
-    intra = links["intra_node"]
+    intra = links.intra_node
     body.append(f'<text x="4" y="{y + 10}" font-weight="bold">GPUs of the first {detail} node(s): colour = tensor-'
                 f'parallel group; inside a node every GPU talks over '
-                f'{escape(intra["name"]) if intra else "the node link"}'
+                f'{escape(intra.name) if intra else "the node link"}'
                 f'{_bandwidth(intra)}</text>')
     y += 20
     for node in range(detail):
@@ -81,9 +78,9 @@ def mesh_svg(summary: dict[str, Any]) -> str:
                     f'stroke="#555"/><text x="{x0 + pad}" y="{y + 13}">node {node}</text>')
         for slot in range(per_node):
             rank = node * per_node + slot
-            if rank >= mesh["world_size"]:
+            if rank >= mesh.world_size:
                 break
-            c = coordinates(mesh, rank)
+            c = mesh.coordinates(rank)
             colour = PALETTE[(rank // tp_stride) % len(PALETTE)]
             gx = x0 + pad + slot * (gpu_w + 6)
             body.append(f'<g><title>GPU {rank}: pp {c["pp"]}, dp {c["dp"]}, tp {c["tp"]}</title>'
@@ -94,19 +91,19 @@ def mesh_svg(summary: dict[str, Any]) -> str:
         body.append(f'<line x1="{x0 + pad}" y1="{y + gpu_h + 28}" x2="{x0 + node_w - pad}" y2="{y + gpu_h + 28}" '
                     f'stroke="#76b900" stroke-width="4"/>')
     y += gpu_h + 52
-    pp = mesh["axes"]["pp"]["size"]
-    nodes_per_pp = max(1, mesh["axes"]["pp"]["stride"] // per_node)
+    pp = mesh.axes["pp"].size
+    nodes_per_pp = max(1, mesh.axes["pp"].stride // per_node)
     columns = nodes_per_pp if nodes_per_pp <= 32 and nodes % nodes_per_pp == 0 else min(nodes, 16)
     cell = 22 if columns <= 24 else 14
-    inter = links["inter_node"]
+    inter = links.inter_node
     body.append(f'<text x="4" y="{y + 10}" font-weight="bold">All {nodes} node(s), {columns} per row: colour = '
-                f'pipeline rank; nodes talk over {escape(inter["name"]) if inter else "—"}'
+                f'pipeline rank; nodes talk over {escape(inter.name) if inter else "—"}'
                 f'{_bandwidth(inter)}</text>')
     y += 18
     for node in range(nodes):
         row, col = divmod(node, columns)
         first = node * per_node
-        ranks = sorted({coordinates(mesh, r)["pp"] for r in range(first, min(first + per_node, mesh["world_size"]))})
+        ranks = sorted({mesh.coordinates(r)["pp"] for r in range(first, min(first + per_node, mesh.world_size))})
         colour = PALETTE[ranks[0] % len(PALETTE)]
         x, cy = 60 + col * (cell + 3), y + row * (cell + 3)
         body.append(f'<rect x="{x}" y="{cy}" width="{cell}" height="{cell}" rx="2" fill="{colour}"><title>node {node}: '
@@ -116,10 +113,10 @@ def mesh_svg(summary: dict[str, Any]) -> str:
                         else f'<text x="4" y="{cy + cell / 2 + 4}">n{node}</text>')
     rows = -(-nodes // columns)
     y += rows * (cell + 3) + 6
-    dp_info = mesh["axes"]["dp"]
+    dp_info = mesh.axes["dp"]
     if columns == nodes_per_pp and pp > 1:
         body.append(f'<text x="4" y="{y + 9}">one row = one pipeline rank ({nodes_per_pp} node(s)): its data-parallel '
-                    f'groups ({dp_info["size"]} GPUs each) stay in the row; activations go down a column to the next '
+                    f'groups ({dp_info.size} GPUs each) stay in the row; activations go down a column to the next '
                     f'rank</text>')
         y += 16
     legend_x = 4
@@ -149,16 +146,15 @@ def _ticks(total_s: float, width: float, x0: float, y: float) -> list[str]:
     return out
 
 
-def timeline_svg(summary: dict[str, Any], passes: list[dict[str, Any]]) -> str:
+def timeline_svg(report: Report, passes: list[Pass]) -> str:
     """Forward/backward passes per pp rank against time; bubbles show as the red-tinted background."""
-    pipeline = summary.get("pipeline") or {}
-    pp = summary["strategy"]["pp"]
-    vp = summary["strategy"]["vp"]
-    sync = pipeline.get("exposed_sync_s") or [0.0] * pp
-    optimizer = pipeline.get("optimizer_s") or [0.0] * pp
+    pipeline = getattr(report, "pipeline", None)
+    pp, vp = report.strategy.pp, report.strategy.vp
+    sync = pipeline.exposed_sync_s if pipeline is not None else [0.0] * pp
+    optimizer = pipeline.optimizer_s if pipeline is not None else [0.0] * pp
     ends = [0.0] * pp
     for x in passes:
-        ends[x["rank"]] = max(ends[x["rank"]], x["end_s"])
+        ends[x.rank] = max(ends[x.rank], x.end_s)
     total = max(max(e + s + o for e, s, o in zip(ends, sync, optimizer)), 1e-12)
     x0, width, row_h = 70, 1000, 18 if pp <= 32 else 8
     scale = width / total
@@ -177,23 +173,21 @@ def timeline_svg(summary: dict[str, Any], passes: list[dict[str, Any]]) -> str:
     shades = {"F": ["#9ecae1", "#6baed6", "#4292c6", "#2171b5"], "B": ["#fdae6b", "#fd8d3c", "#f16913", "#d94801"]}
     if len(passes) <= RECT_LIMIT:
         for x in passes:
-            y = 4 + x["rank"] * (row_h + 4)
-            w = (x["end_s"] - x["start_s"]) * scale
-            chunk = x["stage"] // pp
-            fill = shades[x["kind"]][chunk % 4]
-            label = f'{x["kind"]}{x["microbatch"]}'
-            body.append(f'<g><title>{label} stage {x["stage"]}: {x["start_s"] * 1e3:.2f}–{x["end_s"] * 1e3:.2f} ms</title>'
-                        f'<rect x="{_f(x0 + x["start_s"] * scale)}" y="{y}" width="{_f(w)}" height="{row_h}" fill="{fill}" '
-                        f'stroke="#fff" stroke-width="0.5"/>'
-                        + (f'<text x="{_f(x0 + x["start_s"] * scale + w / 2)}" y="{y + row_h - 5}" text-anchor="middle" '
-                           f'font-size="9">{x["microbatch"]}</text>' if w > 14 else "") + "</g>")
+            y = 4 + x.rank * (row_h + 4)
+            w = (x.end_s - x.start_s) * scale
+            fill = shades[x.kind][(x.stage // pp) % 4]
+            body.append(f'<g><title>{x.kind}{x.microbatch} stage {x.stage}: {x.start_s * 1e3:.2f}–{x.end_s * 1e3:.2f} ms'
+                        f'</title><rect x="{_f(x0 + x.start_s * scale)}" y="{y}" width="{_f(w)}" height="{row_h}" '
+                        f'fill="{fill}" stroke="#fff" stroke-width="0.5"/>'
+                        + (f'<text x="{_f(x0 + x.start_s * scale + w / 2)}" y="{y + row_h - 5}" text-anchor="middle" '
+                           f'font-size="9">{x.microbatch}</text>' if w > 14 else "") + "</g>")
     else:  # one path per (rank, kind, chunk): a few kilobytes per rank instead of one element per pass
         paths: dict[tuple[int, str, int], list[str]] = {}
         for x in passes:
-            y = 4 + x["rank"] * (row_h + 4)
-            w = max((x["end_s"] - x["start_s"]) * scale, 0.3)
-            paths.setdefault((x["rank"], x["kind"], x["stage"] // pp), []).append(
-                f'M{_f(x0 + x["start_s"] * scale)} {y}h{w:.2f}v{row_h}h-{w:.2f}z')
+            y = 4 + x.rank * (row_h + 4)
+            w = max((x.end_s - x.start_s) * scale, 0.3)
+            paths.setdefault((x.rank, x.kind, x.stage // pp), []).append(
+                f'M{_f(x0 + x.start_s * scale)} {y}h{w:.2f}v{row_h}h-{w:.2f}z')
         for (rank, kind, chunk), parts in sorted(paths.items()):
             body.append(f'<path d="{"".join(parts)}" fill="{shades[kind][chunk % 4]}" stroke="#fff" stroke-width="0.3">'
                         f'<title>pp {rank}: {"forward" if kind == "F" else "backward"} passes of chunk {chunk}</title></path>')
@@ -213,11 +207,11 @@ def timeline_svg(summary: dict[str, Any], passes: list[dict[str, Any]]) -> str:
     return _svg(x0 + width + 20, legend_y + 16, body, "timeline-svg")
 
 
-def memory_svg(summary: dict[str, Any]) -> str:
+def memory_svg(report: Report) -> str:
     """Per pp rank: memory parts stacked against the usable capacity (dashed line)."""
-    parts_per_rank = summary["predicted"]["memory_breakdown_bytes"]
-    capacity = summary["capacity_bytes"]
-    top = max([capacity] + [sum(p.values()) for p in parts_per_rank]) * 1.05
+    parts_per_rank = report.predicted.memory_breakdown_bytes
+    capacity = report.capacity_bytes
+    top = max([capacity] + [p.total_bytes for p in parts_per_rank]) * 1.05
     x0, width, row_h = 70, 800, 16
     scale = width / top
     body: list[str] = []
@@ -226,11 +220,11 @@ def memory_svg(summary: dict[str, Any]) -> str:
         body.append(f'<text x="4" y="{y + row_h - 4}">pp {rank}</text>')
         x = x0
         for key, colour in MEMORY_COLOURS.items():
-            value = parts.get(key, 0.0)
+            value = getattr(parts, key)
             body.append(f'<rect x="{_f(x)}" y="{y}" width="{_f(value * scale)}" height="{row_h}" fill="{colour}">'
                         f'<title>{key}: {value / GiB:.2f} GiB</title></rect>')
             x += value * scale
-        body.append(f'<text x="{_f(x + 4)}" y="{y + row_h - 4}">{sum(parts.values()) / GiB:.1f} GiB</text>')
+        body.append(f'<text x="{_f(x + 4)}" y="{y + row_h - 4}">{parts.total_bytes / GiB:.1f} GiB</text>')
     bottom = 4 + len(parts_per_rank) * (row_h + 4)
     cx = x0 + capacity * scale
     body.append(f'<line x1="{_f(cx)}" y1="0" x2="{_f(cx)}" y2="{bottom}" stroke="#000" stroke-dasharray="4 3"/>'
@@ -243,13 +237,13 @@ def memory_svg(summary: dict[str, Any]) -> str:
     return _svg(max(x0 + width + 80, lx), ly + 16, body, "memory-svg")
 
 
-def breakdown_svg(summary: dict[str, Any]) -> str:
+def breakdown_svg(report: Report) -> str:
     """The critical rank's step time as one stacked bar."""
-    breakdown = summary["predicted"]["breakdown"]
-    total = sum(breakdown.values()) or 1.0
+    breakdown = report.predicted.breakdown
+    total = breakdown.total_s or 1.0
     width = 900
     body, x = [], 4.0
-    for key, seconds in breakdown.items():
+    for key, seconds in breakdown.parts():
         w = seconds / total * width
         colour = BREAKDOWN_COLOURS.get(key, PALETTE[len(body) % len(PALETTE)])
         body.append(f'<rect x="{_f(x)}" y="4" width="{_f(w)}" height="24" fill="{colour}"><title>{escape(key)}: '

@@ -1,0 +1,170 @@
+"""The report model from a search result: the one place that reads the searcher's and cost model's objects."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import AutoparError
+from autopar.plan_schema import Plan, Strategy
+from autopar.report.model import (MESH_ORDER, Breakdown, ClusterInfo, EvaluationReport, LinkInfo, MemoryParts,
+                                  MeshAxisInfo, MeshInfo, MeshLinks, MfuBasis, PipelineInfo, Predicted, Report,
+                                  SearchStats, ShardingRow, StageRow, WhyNotRow)
+from autopar.searcher.why_not import critical_rank
+
+
+def build_report(result: Any, *, model: str, cluster: ClusterSpec, global_batch: int, seq_len: int | None,
+                 fixed: dict[str, Any], precision: str | None = None, plan: Plan | None = None) -> Report:
+    """`result`: a searcher.search.SearchResult; `plan`: the plan built from its best candidate."""
+    chosen = result.best or result.ranked[0]
+    evaluation = chosen.evaluation
+    mine = evaluation_report(chosen)
+    mesh = mesh_info(evaluation.strategy, cluster)
+    return Report(
+        **dict(mine),
+        model=model, precision=precision,
+        cluster=ClusterInfo(name=cluster.name, gpu=cluster.gpu.name, world_size=cluster.world_size,
+                            gpus_per_node=cluster.gpus_per_node, num_nodes=cluster.num_nodes),
+        global_batch=global_batch, seq_len=seq_len, fixed=fixed, capacity_bytes=evaluation.capacity_bytes,
+        mfu_basis=mfu_basis(cluster, precision),
+        search=SearchStats(candidates=result.candidates, seconds=round(result.search_s, 3),
+                           ilp_variables=result.ilp_variables, ilp_solve_s=round(result.ilp_solve_s, 3),
+                           ilp_budgeted=result.ilp_budgeted, rejected=result.rejected),
+        alternatives=[evaluation_report(c) for c in result.ranked if c is not chosen],
+        why_not=[WhyNotRow(label=w.label, strategy=w.strategy, reason=w.reason, slowdown=w.slowdown, fits=w.fits,
+                           peak_memory_bytes=w.peak_memory_bytes, global_batch=w.global_batch)
+                 for w in result.why_not],
+        mesh=mesh,
+        pipeline=pipeline_info(mine, evaluation) if evaluation.pipeline is not None else None,
+        plan=plan,
+        sharding=None if plan is None else sharding_rows(
+            plan.param_placements, [axis.name for axis in plan.mesh if axis.name != "pp"]),
+    )
+
+
+def evaluation_report(candidate: Any) -> EvaluationReport:
+    """A searcher Candidate (its evaluation and the units of each stage) as report data."""
+    e = candidate.evaluation
+    layers = [sum(unit.layer_type is not None for unit in units) for units in candidate.stages] \
+        if getattr(candidate, "stages", None) and len(candidate.stages) == len(e.stages) else [None] * len(e.stages)
+    return EvaluationReport(
+        strategy=e.strategy, fits=e.fits,
+        predicted=Predicted(
+            step_time_s=e.step_time_s, tokens_per_s=e.tokens_per_s, tflops_per_gpu=e.tflops_per_gpu, mfu=e.mfu,
+            peak_memory_bytes=e.peak_memory_bytes,
+            peak_memory_bytes_per_stage=[m.total_bytes for m in e.memory],
+            memory_breakdown_bytes=[MemoryParts(**m.as_dict()) for m in e.memory],
+            breakdown=Breakdown(**e.breakdown), compute_s_per_stage=list(e.rank_compute_s)),
+        stages=[StageRow(index=st.index, rank=st.rank, units=list(st.units), forward_s=st.forward_s,
+                         backward_s=st.backward_s, recomputed_layers=st.recomputed_layers, layers=count)
+                for st, count in zip(e.stages, layers)],
+    )
+
+
+def mfu_basis(cluster: ClusterSpec, precision: str | None) -> MfuBasis | None:
+    """The peak MFU is measured against; `nominal` when the cluster's figures are placeholders."""
+    if precision is None:
+        return None
+    gpu = cluster.gpu
+    try:
+        peak = gpu.peak_flops_per_s(precision)
+    except AutoparError:
+        return None
+    source = gpu.source or "the cluster file"
+    return MfuBasis(gpu=gpu.name, dtype=precision, peak_tflops=peak / 1e12, source=source,
+                    nominal="nominal" in source.lower() or "placeholder" in source.lower())
+
+
+def mesh_info(strategy: Strategy, cluster: ClusterSpec) -> MeshInfo:
+    """Each axis's groups: size, stride, how many nodes one spans and the link it talks over."""
+    sizes = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp}
+    per_node = cluster.gpus_per_node
+    intra, inter = getattr(cluster, "intra_node", None), getattr(cluster, "inter_node", None)
+    links = MeshLinks(
+        intra_node=None if intra is None else LinkInfo(name=intra.name,
+                                                       bandwidth_bytes_per_s=intra.effective_bandwidth_bytes_per_s),
+        inter_node=None if inter is None else LinkInfo(name=inter.name,
+                                                       bandwidth_bytes_per_s=inter.effective_bandwidth_bytes_per_s))
+    axes: dict[str, MeshAxisInfo] = {}
+    stride = 1
+    for axis in reversed(MESH_ORDER):
+        size = sizes[axis]
+        first = [k * stride for k in range(size)]
+        nodes = len({rank // per_node for rank in first})
+        if size == 1:
+            link = "none"
+        elif nodes == 1:
+            link = links.intra_node.name if links.intra_node else "intra-node"
+        else:
+            link = links.inter_node.name if links.inter_node else "inter-node"
+        axes[axis] = MeshAxisInfo(size=size, stride=stride, groups=cluster.world_size // size, nodes_per_group=nodes,
+                                  within_node=nodes == 1, link=link, first_group=first)
+        stride *= size
+    return MeshInfo(order=list(MESH_ORDER), world_size=cluster.world_size, gpus_per_node=per_node,
+                    num_nodes=cluster.num_nodes, links=links, axes={axis: axes[axis] for axis in MESH_ORDER})
+
+
+def pipeline_info(chosen: EvaluationReport, evaluation: Any) -> PipelineInfo:
+    """The schedule's inputs and results, enough to redraw it.
+
+    The transfer time between stages is read off the simulated timeline (the first micro-batch's
+    forward reaches stage 1 that long after stage 0 finished it). The evaluator keeps the
+    per-rank gradient-sync and optimizer times internal; the breakdown holds the critical rank's,
+    so other ranks get the optimizer scaled by their optimizer-state bytes and the same exposed
+    sync, capped so that no rank ends after the step.
+    """
+    s, p, pipe = chosen.strategy, chosen.predicted, evaluation.pipeline
+    p2p_s = 0.0
+    if s.pp > 1:
+        first = {(x.kind, x.stage, x.microbatch): x for x in pipe.timeline}
+        if ("F", 0, 0) in first and ("F", 1, 0) in first:
+            p2p_s = max(first[("F", 1, 0)].start_s - first[("F", 0, 0)].end_s, 0.0)
+    ends, busy = list(pipe.rank_end_s), list(pipe.rank_busy_s)
+    critical = critical_rank(evaluation)
+    states = [m.optimizer_states for m in p.memory_breakdown_bytes]
+    optimizer = [p.breakdown.optimizer * (x / states[critical] if states[critical] else 1.0) for x in states]
+    sync_critical = max(p.step_time_s - ends[critical] - optimizer[critical], 0.0)
+    sync = [sync_critical if r == critical else max(min(sync_critical, p.step_time_s - ends[r] - optimizer[r]), 0.0)
+            for r in range(s.pp)]
+    return PipelineInfo(schedule=s.schedule, pp=s.pp, vp=s.vp, num_microbatches=s.num_microbatches, p2p_s=p2p_s,
+                        makespan_s=pipe.step_time_s, rank_busy_s=busy, rank_end_s=ends, critical_rank=critical,
+                        exposed_sync_s=sync, optimizer_s=optimizer)
+
+
+_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def sharding_rows(param_placements: dict[str, str], axes: list[str]) -> list[ShardingRow]:
+    """Placements per module, repeated layers with identical placements folded into one row."""
+    modules: dict[str, dict[str, str]] = {}
+    for name, placement in param_placements.items():
+        match = _INDEX.search(name)
+        if match:
+            module, leaf = f"{name[:match.start()]}.{int(match.group(1))}", name[match.end():]
+        else:
+            module, _, leaf = name.rpartition(".")
+            module = module or name
+        modules.setdefault(module, {})[leaf] = placement
+    runs: list[dict[str, Any]] = []
+    for module, params in modules.items():
+        prefix, _, index = module.rpartition(".")
+        last = runs[-1] if runs else None
+        if index.isdigit() and last and last["prefix"] == prefix and last["params"] == params \
+                and last["last"] == int(index) - 1:
+            last["last"] = int(index)
+            last["count"] += 1
+            continue
+        numbered = index.isdigit()
+        runs.append({"prefix": prefix if numbered else module, "first": int(index) if numbered else None,
+                     "last": int(index) if numbered else None, "count": 1, "params": params})
+    rows = []
+    for run in runs:
+        if run["first"] is None:
+            label = run["prefix"]
+        elif run["count"] == 1:
+            label = f"{run['prefix']}.{run['first']}"
+        else:
+            label = f"{run['prefix']}.{run['first']}–{run['last']}"
+        rows.append(ShardingRow(modules=label, axes=axes, **run))
+    return rows
