@@ -101,15 +101,11 @@ def run_job(workdir: Path, *, nproc: int = 2, steps: int = 10, checkpoint_every:
 
 
 def final_state(checkpoints: Path, steps: int) -> dict:
-    """Everything the final checkpoint holds (weights, optimizer state), as plain tensors."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """Everything the final checkpoint holds (weights, optimizer state), as plain tensors, read with
+    the allow-list reader `autopar run` loads with (nothing in the files is executed)."""
+    from autopar.runtime.checkpoint_reader import read_checkpoint_state
 
-    final = checkpoints / f"step-{steps:08d}"
-    with tempfile.TemporaryDirectory() as scratch:
-        target = Path(scratch) / "state.pt"
-        dcp_to_torch_save(str(final), str(target))
-        return torch.load(target, weights_only=False)
+    return read_checkpoint_state(checkpoints / f"step-{steps:08d}")
 
 
 def differences(expected: dict, actual: dict, prefix: str = "") -> list[str]:

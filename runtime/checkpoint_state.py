@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.errors import AutoparError
+from autopar.runtime.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner, read_safe_metadata
 
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optim."
@@ -241,7 +242,7 @@ def load_into(path: Path, record: dict, parallel, optimizer: torch.optim.Optimiz
 
 
 def _load_into(path: Path, record: dict, parallel, optimizer, process_group) -> str | None:
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = read_safe_metadata(path).state_dict_metadata  # never unpickles anything but DCP's records
     saved_names, model_names = set(record["parameters"]), set(parallel.canonical.values())
     if saved_names != model_names:
         missing, unexpected = sorted(model_names - saved_names), sorted(saved_names - model_names)
@@ -275,8 +276,14 @@ def _load_into(path: Path, record: dict, parallel, optimizer, process_group) -> 
                 shape = tuple(saved.size) if isinstance(saved, TensorStorageMetadata) else "an object"
                 return (f"checkpoint {path} holds {key} with shape {shape}, this model's is "
                         f"{tuple(value.shape)}: load a checkpoint of this model")
-    dcp.load(entries.values, storage_reader=FileSystemReader(path), process_group=process_group,
-             no_dist=not dist.is_initialized())
+    try:
+        dcp.load(entries.values, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                 process_group=process_group, no_dist=not dist.is_initialized())
+    except CheckpointException as failure:  # every rank gets every rank's failures: report a refusal as one line
+        refusals = [cause for cause, _ in getattr(failure, "failures", {}).values() if isinstance(cause, AutoparError)]
+        if refusals:
+            return f"checkpoint {path}: {refusals[0]}"
+        raise
     entries.propagate_copies()
     if optimizer is not None:
         drop_state(optimizer, stateless)
