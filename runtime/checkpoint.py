@@ -315,6 +315,10 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {resolved} is of model fingerprint {manifest['model_fingerprint']}, "
                                   f"this model is {expected}: load a checkpoint of this model", resolved)
         self._raise_if(self._agree(state_io.load_into(resolved, record, parallel, optimizer, self._group())))
+        if self._rank() == 0 and (record["world_size"], record.get("strategy")) != (self._world(),
+                                                                                  str(parallel.strategy)):
+            print(f"autopar: note: resharded {resolved.name}, saved by {record['world_size']} process(es) under "
+                  f"{record.get('strategy')}, onto {self._world()} under {parallel.strategy}", file=sys.stderr)
         rng_name = f"rng/rank-{self._rank():05d}.json"
         if rng_name in manifest["files"]:  # verified, so inside the checkpoint
             state_io.set_rng_state(json.loads((resolved / rng_name).read_text()))

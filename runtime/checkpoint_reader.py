@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorProperties,
@@ -158,18 +158,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        SafeLoadPlanner.load_bytes(self, read_item, value)
-
-
 def read_checkpoint_state(path: str | os.PathLike) -> dict:
-    """Everything a checkpoint's DCP files hold, as plain tensors and values, in this process alone
-    (for comparing checkpoints: benchmarks, tests). Read as safely as `Checkpointer.load` reads."""
+    """Everything a checkpoint's DCP files hold, {key: tensor or value}, in this process alone (for
+    comparing checkpoints: benchmarks, tests). Read as safely as `Checkpointer.load` reads: the
+    entries to fill come from the allow-listed index."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
-    state: dict = {}
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=_SafeEmptyStateDictLoadPlanner(),
-             no_dist=True)
+    entries = read_safe_metadata(path).state_dict_metadata
+    state: dict = {key: torch.empty(tuple(record.size), dtype=record.properties.dtype)
+                   if isinstance(record, TensorStorageMetadata) else None for key, record in entries.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
     return state
-
