@@ -117,6 +117,17 @@ def read_pointer(directory: Path) -> str | None:
     return text
 
 
+def sha256_bytes_per_s(sample_bytes: int = 32 * 2**20) -> float:
+    """This machine's sha256 throughput on one thread (how fast a rank hashes what it saved), measured
+    on `sample_bytes` (about 20-60 ms)."""
+    import time
+
+    sample = bytes(sample_bytes)
+    started = time.perf_counter()
+    hashlib.sha256(sample).digest()
+    return sample_bytes / max(time.perf_counter() - started, 1e-9)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as stream:

@@ -14,6 +14,7 @@ Also here: the optimizer's param-group hyperparameters and every rank's random g
 from __future__ import annotations
 
 import base64
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +227,36 @@ def set_rng_state(state: dict) -> None:
             return
         kind, keys, position, has_gauss, cached = state["numpy"]
         numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached))
+
+
+def _copies(tensor: torch.Tensor, stage_ranks: int) -> int:
+    """How many ranks hold the same copy of this rank's `tensor` (DCP writes it once among them):
+    a DTensor's replicated mesh axes; a plain tensor is held by every rank of the stage."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return stage_ranks
+    mesh = tensor.device_mesh
+    return math.prod(mesh.size(axis) for axis, placement in enumerate(placements) if placement.is_replicate())
+
+
+def expected_write_bytes(parallel, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes this rank is expected to write in a checkpoint of `parallel` and `optimizer`: each local
+    tensor's bytes over the number of ranks holding the same copy. Before the first step an Adam or
+    AdamW has no state yet; it is counted as it will be, two tensors like each parameter."""
+    stage_ranks = parallel.layout.size("dp") * parallel.layout.size("tp")
+    values = list(model_entries(parallel).values.values())
+    if optimizer is not None:
+        state = optimizer_entries(parallel, optimizer).values
+        if state:
+            values += list(state.values())
+        elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            values += [param for _, param in parameter_names(parallel, optimizer)] * 2  # exp_avg, exp_avg_sq
+    total = 0.0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            local = _local(value)
+            total += local.numel() * local.element_size() / _copies(value, stage_ranks)
+    return round(total)
 
 
 def load_into(path: Path, record: dict, parallel, optimizer: torch.optim.Optimizer | None,
