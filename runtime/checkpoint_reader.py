@@ -70,6 +70,9 @@ def read_safe_metadata(path: str | os.PathLike) -> Metadata:
     path = Path(path)
     file = path / ".metadata"
     where = f"checkpoint {path}: its index .metadata"
+    if file.is_symlink():
+        raise CheckpointError(f"refusing {where}: it is a symlink (it may lead outside the checkpoint); {_REFUSE_FIX}",
+                              path, ".metadata")
     try:
         with open(file, "rb") as stream:
             metadata = _AllowListUnpickler(stream).load()
