@@ -18,6 +18,10 @@ position must be exact; only the reduction order differs).
     python benchmarks/fault_injection.py                  # 20 crash trials and 5 elastic trials
     python benchmarks/fault_injection.py --trials 3 --elastic-trials 1 --steps 8
 
+Measured (2-core x86-64 VM shared with other jobs, torch 2.13.0 CPU, 2026-11-24, --trials 5
+--elastic-trials 5): crash 5/5 exact; elastic 5/5 exact (continued from steps 9, 3, 6, scratch, 3;
+losses after the restart within 2.1e-7 relative of the uninterrupted two-process run); 705 s.
+
 Prints the machine, one line per trial, "recovered exactly: N/T" and "elastic: resumed exactly:
 N/T"; exits 1 unless every trial counted.
 """
@@ -339,8 +343,10 @@ def elastic_trials(root: Path, args, chooser: random.Random) -> int:
                                   lose_after_step=lose_step)
         exact, verdict = elastic_verdict(workdir, outcome, args.steps, args.checkpoint_every, reference_losses)
         exact_count += exact
+        step = outcome["resumed_step"]
+        start = f"from the step-{step} checkpoint" if step is not None else "from scratch (no checkpoint published yet)"
         print(f"elastic {trial:2d}: agent B lost after step {outcome['lost_after_step']} (drawn {lose_step}); "
-              f"continued on 1 process from step {outcome['resumed_step'] or 0}; {verdict} "
+              f"continued on 1 process {start}; {verdict} "
               f"[{time.perf_counter() - started:.1f} s]", flush=True)
         if verdict == "job failed":
             print(outcome["log"][-2000:])
