@@ -222,7 +222,13 @@ def run_elastic_job(workdir: Path, *, steps: int = 12, checkpoint_every: int = 3
     resumed = re.findall(r"resumed from \S+ \(step (\d+)\)", text)
     return {"returncode": survivor.returncode, "lost_after_step": lost,
             "resumed_step": int(resumed[-1]) if resumed else None,
-            "replanned": "searching a plan for 1 process(es)" in text, "log": text}
+            "replanned": _trained_on_one_process(text), "log": text}
+
+
+def _trained_on_one_process(log: str) -> bool:
+    """Whether a round trained on one process, under a plan with dp=1 (no --strategy and no --plan
+    are given, so that plan was searched for the world of one the round had)."""
+    return re.search(r"^training \S+ .* on 1 process\(es\), \w+: dp=1 ", log, re.MULTILINE) is not None
 
 
 def one_process_from(resume: str | Path, workdir: Path, steps: int, checkpoint_every: int) -> dict:

@@ -53,13 +53,9 @@ def world_of_one():
 
 
 def _build(plan_json: str):
-    from autopar.models import build_model
-    from autopar.plan import Plan
-    from autopar.runtime.parallelize import parallelize
+    from test_checkpoint import _build as build_with
 
-    spec = build_model("gpt", tiny_config())
-    parallel = parallelize(spec.module, Plan.from_json(plan_json), loss_fn=spec.loss_fn, seed=SEED)
-    return parallel, torch.optim.AdamW(parallel.parameters(), lr=1e-3)
+    return build_with(plan_json, "adamw")
 
 
 def _step(parallel, optimizer) -> None:
