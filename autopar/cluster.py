@@ -107,6 +107,12 @@ class ClusterSpec(_Spec):
     num_nodes: int = Field(gt=0)
     intra_node: LinkSpec
     inter_node: LinkSpec | None = None
+    # Write bandwidth from one node to checkpoint storage. Default: one 400 Gb/s link = 50 GB/s, the
+    # DGX H100's storage link speed ("networking and storage @ 400 Gbps" with ConnectX-7, "2X faster"
+    # than DGX A100: NVIDIA DGX SuperPOD H100 reference architecture, key components); the A100
+    # presets take half. A line rate is an upper bound: what a shared file system sustains per node
+    # is lower, so give a measured figure in a cluster file when you have one.
+    node_storage_write_bytes_per_s: float = Field(default=50e9, gt=0, allow_inf_nan=False)
 
     @property
     def world_size(self) -> int:
@@ -169,16 +175,17 @@ LINK_PRESETS: dict[str, LinkSpec] = {
 }
 
 
-def _dgx(name: str, gpu: str, nvlink: str, network: str) -> ClusterSpec:
+def _dgx(name: str, gpu: str, nvlink: str, network: str, storage_bytes_per_s: float = 50e9) -> ClusterSpec:
     return ClusterSpec(name=name, gpu=GPU_PRESETS[gpu], gpus_per_node=8, num_nodes=1,
-                       intra_node=LINK_PRESETS[nvlink], inter_node=LINK_PRESETS[network])
+                       intra_node=LINK_PRESETS[nvlink], inter_node=LINK_PRESETS[network],
+                       node_storage_write_bytes_per_s=storage_bytes_per_s)
 
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     spec.name: spec
     for spec in (
-        _dgx("dgx-a100-40gb", "A100-SXM4-40GB", "nvlink3", "ib-hdr"),
-        _dgx("dgx-a100-80gb", "A100-SXM4-80GB", "nvlink3", "ib-hdr"),
+        _dgx("dgx-a100-40gb", "A100-SXM4-40GB", "nvlink3", "ib-hdr", storage_bytes_per_s=25e9),
+        _dgx("dgx-a100-80gb", "A100-SXM4-80GB", "nvlink3", "ib-hdr", storage_bytes_per_s=25e9),
         _dgx("dgx-h100", "H100-SXM5-80GB", "nvlink4", "ib-ndr"),
         _dgx("dgx-h200", "H200-SXM-141GB", "nvlink4", "ib-ndr"),
     )
@@ -372,4 +379,5 @@ def _cpu_cluster() -> ClusterSpec:
     cpu = GpuSpec(name="cpu", peak_tflops={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, memory_bytes=memory_bytes,
                   hbm_bandwidth_bytes_per_s=50e9, source=source)
     memory_link = LinkSpec(name="cpu-memory", bandwidth_bytes_per_s=10e9, latency_s=1e-5, source=source)
-    return ClusterSpec(name=LOCAL, gpu=cpu, gpus_per_node=1, num_nodes=1, intra_node=memory_link)
+    return ClusterSpec(name=LOCAL, gpu=cpu, gpus_per_node=1, num_nodes=1, intra_node=memory_link,
+                       node_storage_write_bytes_per_s=1e9)  # nominal, like the rest: a local disk, not measured

@@ -318,7 +318,7 @@ def _resume(args, env: Environment, checkpointer, parallel, optimizer, data) -> 
     if args.resume == "none":
         return 0
     if args.resume == "auto":
-        if checkpointer is None or not checkpointer.list():
+        if checkpointer is None or checkpointer.is_empty():
             return 0
         try:
             extra = checkpointer.load("latest", parallel, optimizer)

@@ -81,6 +81,10 @@ class RunConfig(BaseModel):
         if self.checkpoint_dir is not None and Path(self.checkpoint_dir).exists() \
                 and not Path(self.checkpoint_dir).is_dir():
             raise AutoparError(f"--checkpoint-dir {self.checkpoint_dir} is a file: give a directory")
+        if self.checkpoint_dir is not None and not self.dry_run:  # found now, not at the first save
+            from autopar.runtime.checkpoint import check_writable_directory
+
+            check_writable_directory(self.checkpoint_dir)
         if self.profile_steps < 0:
             raise AutoparError(f"--profile-steps must be 0 (off) or positive, got {self.profile_steps}")
         if self.profile_steps >= self.steps:

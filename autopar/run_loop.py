@@ -117,6 +117,8 @@ class TrainingLoop:
         self.config, self.env, self.parallel, self.optimizer = config, env, parallel, optimizer
         self.data, self.checkpointer, self.plan = data, checkpointer, plan
         self.tokens_per_step, self.data_name = tokens_per_step, data_name
+        self.save_prediction = None
+        self._save_predicted = False
 
     def local_rows(self):
         """This dp rank's rows of the next global batch, on the model's device."""
@@ -136,13 +138,32 @@ class TrainingLoop:
         optimizer.zero_grad(set_to_none=True)
         return parallel.global_loss(loss_sum)
 
+    def predict_checkpoint_cost(self, reporter: Reporter) -> None:
+        """Once, before the first step (a collective): the checkpoint's predicted save time and the
+        interval Young/Daly suggests, printed by rank 0."""
+        if self.checkpointer is None or self._save_predicted:
+            return
+        from autopar.runtime.checkpoint_cost import predict_save
+
+        self._save_predicted = True
+        self.save_prediction = predict_save(self.parallel, self.optimizer, self.config.cluster)
+        if self.save_prediction is not None:
+            step_time_s = self.plan.predicted.step_time_s if self.plan.predicted is not None else None
+            reporter.say(f"checkpoint cost: {self.save_prediction.describe()}; "
+                         f"{self.save_prediction.interval_text(step_time_s)}")
+
     def save(self, step: int, reporter: Reporter) -> None:
         extra = {"step": step, "data": self.data.state_dict(), "data_name": self.data_name,
                  "plan": self.plan.to_json(), "config": self.config.json_record(),
                  "world_size": self.env.world_size}
+        started = time.perf_counter()
         path = self.checkpointer.save(step, self.parallel, self.optimizer, extra)
-        verb = "saving" if self.checkpointer.async_save else "saved"
-        reporter.say(f"{verb} checkpoint {path}")
+        measured_s = time.perf_counter() - started
+        beside = "" if self.save_prediction is None else f" (predicted {self.save_prediction.save_time_s:.3g} s)"
+        if self.checkpointer.async_save:
+            reporter.say(f"saving checkpoint {path}: staged in {measured_s:.3g} s, written in the background{beside}")
+        else:
+            reporter.say(f"saved checkpoint {path} in {measured_s:.3g} s{beside}")
 
     def stop_requested(self, stop: StopRequest, device) -> bool:
         """Whether any rank got SIGTERM: all ranks stop after the same step (one scalar all-reduce)."""
@@ -176,6 +197,7 @@ class TrainingLoop:
         device = self.parallel.layout.device
         cuda = device.type == "cuda"
         every = config.checkpoint_every
+        self.predict_checkpoint_cost(reporter)
         started = time.perf_counter()
         interval_steps = 0
         for step in range(first_step, last_step + 1):

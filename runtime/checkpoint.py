@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -44,13 +43,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from autopar.errors import AutoparError
 from autopar.runtime import checkpoint_state as state_io
-from autopar.runtime.checkpoint_files import (LATEST, MANIFEST, STATE_FILE, CheckpointError, file_digests, fsync_directory,
-                                      read_pointer, step_name, verify_checkpoint, write_durably)
+from autopar.runtime.checkpoint_files import (LATEST, MANIFEST, PUBLISHED_NAME, STATE_FILE, CheckpointError,
+                                              file_digests, fsync_directory, read_pointer, step_name,
+                                              verify_checkpoint, write_durably)
 
-__all__ = ["Checkpointer", "CheckpointError", "CheckpointInfo", "step_name", "verify_checkpoint"]
+__all__ = ["Checkpointer", "CheckpointError", "CheckpointInfo", "check_writable_directory", "step_name",
+           "verify_checkpoint"]
 
 FORMAT_VERSION = 1
-_PUBLISHED = re.compile(r"step-(\d+)")
 
 
 @dataclass(frozen=True)
@@ -262,15 +262,21 @@ class Checkpointer:
             return []
         found = []
         for path in self.directory.iterdir():
-            match = _PUBLISHED.fullmatch(path.name)
-            if match and (path / MANIFEST).is_file():
+            match = PUBLISHED_NAME.fullmatch(path.name)
+            if match and not path.is_symlink() and (path / MANIFEST).is_file():
                 found.append(CheckpointInfo(int(match.group(1)), path))
         return sorted(found, key=lambda info: info.step)
 
+    def is_empty(self) -> bool:
+        """No published checkpoint and no `latest` pointer: a run here starts fresh. A pointer with no
+        checkpoint behind it is not empty (a run was here; `load("latest")` says what is missing)."""
+        return not self.list() and not (self.directory / LATEST).exists() and not (self.directory / LATEST).is_symlink()
+
     def _candidates(self) -> list[Path]:
-        """Where `latest` points first, then every published checkpoint, newest step first."""
+        """Where `latest` points first, then every published checkpoint, newest step first. A symlinked
+        step directory is not followed (see `list`); a bad pointer raises CheckpointError."""
         pointer = read_pointer(self.directory)
-        first = [self.directory / pointer] if pointer else []
+        first = [self.directory / pointer] if pointer and not (self.directory / pointer).is_symlink() else []
         return first + [info.path for info in reversed(self.list()) if info.path not in first]
 
     def latest(self) -> Path | None:
@@ -309,9 +315,13 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {resolved} is of model fingerprint {manifest['model_fingerprint']}, "
                                   f"this model is {expected}: load a checkpoint of this model", resolved)
         self._raise_if(self._agree(state_io.load_into(resolved, record, parallel, optimizer, self._group())))
-        rng_file = resolved / "rng" / f"rank-{self._rank():05d}.json"
-        if rng_file.is_file():
-            state_io.set_rng_state(json.loads(rng_file.read_text()))
+        if self._rank() == 0 and (record["world_size"], record.get("strategy")) != (self._world(),
+                                                                                  str(parallel.strategy)):
+            print(f"autopar: note: resharded {resolved.name}, saved by {record['world_size']} process(es) under "
+                  f"{record.get('strategy')}, onto {self._world()} under {parallel.strategy}", file=sys.stderr)
+        rng_name = f"rng/rank-{self._rank():05d}.json"
+        if rng_name in manifest["files"]:  # verified, so inside the checkpoint
+            state_io.set_rng_state(json.loads((resolved / rng_name).read_text()))
         elif self._rank() == record["world_size"]:  # the first rank the saving world lacked says it once
             print(f"autopar: note: checkpoint {resolved} holds generator states for {record['world_size']} ranks; "
                   f"ranks {record['world_size']}-{self._world() - 1} keep their own", file=sys.stderr)
@@ -322,11 +332,18 @@ class Checkpointer:
         """The checkpoint to load, the same on every rank: each candidate's files are verified by all
         ranks together (each hashes a share); the first that passes everywhere wins."""
         explicit = path_or_latest != LATEST
-        candidates = None
+        chosen = (None, None, None)  # (candidates, what `latest` names, a problem finding them)
         if self._rank() == 0:
-            candidates = [self._explicit_path(path_or_latest)] if explicit else self._candidates()
+            try:
+                chosen = (([self._explicit_path(path_or_latest)], None, None) if explicit
+                          else (self._candidates(), read_pointer(self.directory), None))
+            except CheckpointError as error:
+                chosen = (None, None, (str(error), error.path, error.file))
+        candidates, pointer, problem = self._broadcast(chosen)
+        if problem is not None:
+            raise CheckpointError(*problem)
         skipped: list[str] = []
-        for path in self._broadcast(candidates):
+        for path in candidates:
             try:
                 verify_checkpoint(path, part=self._rank(), parts=self._world())
                 problem = None
@@ -342,6 +359,11 @@ class Checkpointer:
             skipped.append(problem[0])
         if self._rank() == 0:
             _warn_skipped(skipped, None)
+        if pointer is not None:  # a run published here, and its checkpoint is gone: never a silent fresh start
+            raise CheckpointError(f"{self.directory / LATEST} names {pointer}, which is missing or damaged, and "
+                                  f"{self.directory} holds no other complete checkpoint: restore it, give a "
+                                  f"checkpoint path, or start fresh deliberately (--resume none)",
+                                  self.directory / LATEST, LATEST)
         raise CheckpointError(f"no complete checkpoint in {self.directory}: start from scratch or give a "
                               f"checkpoint path", self.directory)
 
@@ -389,7 +411,10 @@ class Checkpointer:
 
     def _io_message(self, failure: OSError, step: int) -> str:
         where = f"checkpoint {step_name(step)} in {self.directory}"
-        kept = read_pointer(self.directory)
+        try:
+            kept = read_pointer(self.directory)
+        except CheckpointError:
+            kept = None
         intact = f"nothing was published; {kept} and `latest` are intact" if kept else "nothing was published"
         if failure.errno == errno.ENOSPC:
             return f"disk full while writing {where}: free space or lower keep_last; {intact}"
@@ -406,6 +431,32 @@ class Checkpointer:
         first_line = (str(cause).strip().splitlines() or [""])[0]
         return (f"saving checkpoint {step_name(step)} in {self.directory} failed on rank {rank}: "
                 f"{type(cause).__name__}: {first_line}; nothing was published"), False
+
+
+def check_writable_directory(directory: str | os.PathLike) -> None:
+    """Refuse (one line) a checkpoint directory this process could not create or write into, before
+    any training: a probe file (or directory) with a name of its own is made and removed, in the
+    directory or, when it does not exist yet, in its nearest existing parent. Nothing is left behind,
+    and ranks probing one directory together do not disturb each other."""
+    directory = Path(directory)
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise AutoparError(f"cannot create checkpoint directory {directory}: {existing} is not a directory; "
+                           f"give a directory path for --checkpoint-dir")
+    probe = existing / f".autopar-write-probe-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        if existing == directory:
+            probe.touch(exist_ok=False)
+            probe.unlink()
+        else:
+            probe.mkdir()
+            probe.rmdir()
+    except OSError as error:
+        verb = "write checkpoints in" if existing == directory else "create checkpoint directory"
+        raise AutoparError(f"cannot {verb} {directory}: {error.strerror} (in {existing}); give a writable "
+                           f"--checkpoint-dir") from None
 
 
 def _warn_skipped(skipped: list[str], chosen: Path | None) -> None:

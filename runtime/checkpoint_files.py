@@ -9,14 +9,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from autopar.errors import AutoparError
+from autopar.io import contained_path
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.json"
 LATEST = "latest"
+DCP_INDEX = ".metadata"
+PUBLISHED_NAME = re.compile(r"step-(\d+)")
 _HASH_CHUNK_BYTES = 8 * 2**20
 
 
@@ -41,7 +45,7 @@ def verify_checkpoint(path: str | os.PathLike, *, part: int = 0, parts: int = 1)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist", path)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads(_inside(path, MANIFEST).read_text())
         files = manifest["files"]
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} is incomplete: it has no {MANIFEST} (the save did not finish)",
@@ -49,21 +53,36 @@ def verify_checkpoint(path: str | os.PathLike, *, part: int = 0, parts: int = 1)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"checkpoint {path} is damaged: {MANIFEST} is unreadable ({error})", path,
                               MANIFEST) from None
+    if not isinstance(files, dict) or not {DCP_INDEX, STATE_FILE} <= set(files):
+        raise CheckpointError(f"checkpoint {path} is damaged: {MANIFEST} does not list {DCP_INDEX} and {STATE_FILE}",
+                              path, MANIFEST)
     names = sorted(files)
     for name in names:
-        file = path / name
+        file = _inside(path, name)
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is damaged: file {name} is missing", path, name)
         size_bytes = file.stat().st_size
-        if size_bytes != files[name]["bytes"]:
+        recorded = files[name].get("bytes") if isinstance(files[name], dict) else None
+        if size_bytes != recorded:
             raise CheckpointError(f"checkpoint {path} is damaged: file {name} has {size_bytes} bytes, the manifest "
-                                  f"records {files[name]['bytes']} (truncated or overwritten)", path, name)
+                                  f"records {recorded} (truncated or overwritten)", path, name)
     mine = names[part::parts]
     for name, digest in file_digests(path, [path / name for name in mine]).items():
         if digest["sha256"] != files[name]["sha256"]:
             raise CheckpointError(f"checkpoint {path} is damaged: file {name} does not match the sha256 in its "
                                   f"manifest (corrupted on disk)", path, name)
     return manifest
+
+
+def _inside(checkpoint: Path, name: object) -> Path:
+    """A file the manifest names, refused (CheckpointError) unless it lies inside the checkpoint."""
+    try:
+        return contained_path(checkpoint, name, f"checkpoint {checkpoint}: {MANIFEST}",
+                              "the checkpoint was tampered with: delete it or resume from another")
+    except CheckpointError:
+        raise
+    except AutoparError as error:
+        raise CheckpointError(str(error), checkpoint, MANIFEST) from None
 
 
 def file_digests(root: Path, files: list[Path]) -> dict[str, dict]:
@@ -75,10 +94,38 @@ def file_digests(root: Path, files: list[Path]) -> dict[str, dict]:
 
 
 def read_pointer(directory: Path) -> str | None:
+    """The checkpoint name `latest` holds (None when there is no pointer). A pointer that is not a
+    checkpoint name of this directory (`../x`, an absolute path, a symlink) is refused: it was not
+    written by autopar, and following it would read outside the directory."""
+    pointer = directory / LATEST
+    if pointer.is_symlink():
+        raise CheckpointError(f"{pointer} is a symlink: autopar writes `latest` as a file naming a checkpoint of "
+                              f"{directory}; delete it (the newest checkpoint is then found without it)",
+                              pointer, LATEST)
     try:
-        return (directory / LATEST).read_text().strip() or None
-    except OSError:
+        text = pointer.read_text(encoding="utf-8", errors="replace").strip()
+    except FileNotFoundError:
         return None
+    except OSError as error:
+        raise CheckpointError(f"cannot read {pointer}: {error.strerror}; fix its permissions or delete it",
+                              pointer, LATEST) from None
+    if not text:
+        return None
+    if not PUBLISHED_NAME.fullmatch(text):
+        raise CheckpointError(f"{pointer} names {text[:80]!r}, not a checkpoint of {directory} (step-NNNNNNNN): "
+                              f"delete it (the newest checkpoint is then found without it)", pointer, LATEST)
+    return text
+
+
+def sha256_bytes_per_s(sample_bytes: int = 32 * 2**20) -> float:
+    """This machine's sha256 throughput on one thread (how fast a rank hashes what it saved), measured
+    on `sample_bytes` (about 20-60 ms)."""
+    import time
+
+    sample = bytes(sample_bytes)
+    started = time.perf_counter()
+    hashlib.sha256(sample).digest()
+    return sample_bytes / max(time.perf_counter() - started, 1e-9)
 
 
 def _sha256(path: Path) -> str:

@@ -14,6 +14,7 @@ Also here: the optimizer's param-group hyperparameters and every rank's random g
 from __future__ import annotations
 
 import base64
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.errors import AutoparError
+from autopar.runtime.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner, read_safe_metadata
 
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optim."
@@ -227,6 +229,36 @@ def set_rng_state(state: dict) -> None:
         numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached))
 
 
+def _copies(tensor: torch.Tensor, stage_ranks: int) -> int:
+    """How many ranks hold the same copy of this rank's `tensor` (DCP writes it once among them):
+    a DTensor's replicated mesh axes; a plain tensor is held by every rank of the stage."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return stage_ranks
+    mesh = tensor.device_mesh
+    return math.prod(mesh.size(axis) for axis, placement in enumerate(placements) if placement.is_replicate())
+
+
+def expected_write_bytes(parallel, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes this rank is expected to write in a checkpoint of `parallel` and `optimizer`: each local
+    tensor's bytes over the number of ranks holding the same copy. Before the first step an Adam or
+    AdamW has no state yet; it is counted as it will be, two tensors like each parameter."""
+    stage_ranks = parallel.layout.size("dp") * parallel.layout.size("tp")
+    values = list(model_entries(parallel).values.values())
+    if optimizer is not None:
+        state = optimizer_entries(parallel, optimizer).values
+        if state:
+            values += list(state.values())
+        elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            values += [param for _, param in parameter_names(parallel, optimizer)] * 2  # exp_avg, exp_avg_sq
+    total = 0.0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            local = _local(value)
+            total += local.numel() * local.element_size() / _copies(value, stage_ranks)
+    return round(total)
+
+
 def load_into(path: Path, record: dict, parallel, optimizer: torch.optim.Optimizer | None,
               process_group: dist.ProcessGroup | None) -> str | None:
     """Load this rank's share of checkpoint `path` (a collective over `process_group`).
@@ -241,7 +273,7 @@ def load_into(path: Path, record: dict, parallel, optimizer: torch.optim.Optimiz
 
 
 def _load_into(path: Path, record: dict, parallel, optimizer, process_group) -> str | None:
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = read_safe_metadata(path).state_dict_metadata  # never unpickles anything but DCP's records
     saved_names, model_names = set(record["parameters"]), set(parallel.canonical.values())
     if saved_names != model_names:
         missing, unexpected = sorted(model_names - saved_names), sorted(saved_names - model_names)
@@ -275,8 +307,14 @@ def _load_into(path: Path, record: dict, parallel, optimizer, process_group) -> 
                 shape = tuple(saved.size) if isinstance(saved, TensorStorageMetadata) else "an object"
                 return (f"checkpoint {path} holds {key} with shape {shape}, this model's is "
                         f"{tuple(value.shape)}: load a checkpoint of this model")
-    dcp.load(entries.values, storage_reader=FileSystemReader(path), process_group=process_group,
-             no_dist=not dist.is_initialized())
+    try:
+        dcp.load(entries.values, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                 process_group=process_group, no_dist=not dist.is_initialized())
+    except CheckpointException as failure:  # every rank gets every rank's failures: report a refusal as one line
+        refusals = [cause for cause, _ in getattr(failure, "failures", {}).values() if isinstance(cause, AutoparError)]
+        if refusals:
+            return f"checkpoint {path}: {refusals[0]}"
+        raise
     entries.propagate_copies()
     if optimizer is not None:
         drop_state(optimizer, stateless)

@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from autopar.errors import AutoparError
+from autopar.io import contained_path, make_hidden_directory
 
 FORMAT = "autopar-tokens"
 FORMAT_VERSION = 1
@@ -180,6 +181,7 @@ class _ShardWriter:
         self._stream = None
         self._hash = None
         self._in_shard = 0
+        self._shard_max = -1
 
     def write(self, tokens: np.ndarray) -> None:
         if tokens.size == 0:
@@ -194,6 +196,7 @@ class _ShardWriter:
                 self._open()
             take = min(tokens.size, self.shard_tokens - self._in_shard)
             part = np.ascontiguousarray(tokens[:take])
+            self._shard_max = max(self._shard_max, int(part.max()))
             self._stream.write(memoryview(part).cast("B"))
             self._hash.update(memoryview(part).cast("B"))
             self._in_shard += take
@@ -207,13 +210,15 @@ class _ShardWriter:
         self._stream = open(self.directory / name, "wb")
         self._hash = hashlib.sha256()
         self._in_shard = 0
+        self._shard_max = -1
         self.shards.append({"file": name, "num_tokens": 0, "sha256": ""})
 
     def _close(self) -> None:
         self._stream.flush()
         os.fsync(self._stream.fileno())
         self._stream.close()
-        self.shards[-1].update(num_tokens=self._in_shard, sha256=self._hash.hexdigest())
+        self.shards[-1].update(num_tokens=self._in_shard, sha256=self._hash.hexdigest(),
+                               max_token_id=self._shard_max)
         self._stream = None
 
     def finish(self) -> None:
@@ -313,8 +318,9 @@ def is_complete_dataset(path: Path) -> bool:
         index = json.loads((path / INDEX_NAME).read_text())
         itemsize = np.dtype(index["dtype"]).itemsize
         return index.get("format") == FORMAT and all(
-            (path / s["file"]).stat().st_size == s["num_tokens"] * itemsize for s in index["shards"])
-    except (OSError, ValueError, KeyError, TypeError):
+            contained_path(path, s["file"], INDEX_NAME, "").stat().st_size == s["num_tokens"] * itemsize
+            for s in index["shards"])
+    except (OSError, ValueError, KeyError, TypeError, AutoparError):  # a shard outside `path`: not a dataset of ours
         return False
 
 
@@ -356,7 +362,7 @@ def build_dataset(files: list[Path], out: Path, tokenizer, *, inputs: list[str],
     _check_target(out, overwrite)  # fail before the work, and again at the rename
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        temporary = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+        temporary = make_hidden_directory(out.parent, out.name, ".tmp")  # mode 0777 less the user's umask
     except OSError as error:
         raise AutoparError(f"cannot create the dataset beside {out}: {error.strerror}; "
                            f"choose a writable location") from None
@@ -399,7 +405,6 @@ def build_dataset(files: list[Path], out: Path, tokenizer, *, inputs: list[str],
             "shards": writer.shards,
         }
         (temporary / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        temporary.chmod(0o755)  # mkdtemp made it private; a dataset is as readable as a normal directory
         _publish(temporary, out, overwrite)
     except BaseException as error:
         writer.abort()

@@ -10,6 +10,17 @@ So rank 0 of every round starts a store of its own on a free port and announces 
 agent's store. A port announced by an earlier round belonged to a process that no longer exists
 (torchrun stops every worker before it restarts any), so the other ranks retry until the announced
 store answers, and that one is this round's.
+
+What listens where:
+- torchrun's agent store: MASTER_PORT (`--rdzv-endpoint`), opened by torchrun, not by us; torch
+  binds it to every interface.
+- rank 0's round store (this module): a free port on the address MASTER_ADDR resolves to, and
+  nowhere else: loopback when torchrun runs on one node with a localhost endpoint. We bind the
+  socket ourselves and hand it to TCPStore (`master_listen_fd`), since TCPStore alone listens on
+  every interface. Like torch's stores it is unauthenticated: anyone who can reach that address
+  can read and write its keys, so on several nodes keep MASTER_ADDR on a trusted network.
+- gloo/NCCL: their own connections, on the interfaces torch picks (GLOO_SOCKET_IFNAME,
+  NCCL_SOCKET_IFNAME choose them).
 """
 
 from __future__ import annotations
@@ -29,6 +40,25 @@ def _timeout_s() -> float:
     return float(os.environ.get("AUTOPAR_INIT_TIMEOUT_S", "300"))
 
 
+def listening_socket(host: str) -> socket.socket:
+    """A TCP socket listening on a free port of the address `host` resolves to (its first address),
+    the address the other ranks connect to; one line if this machine does not have that address."""
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise AutoparError(f"MASTER_ADDR={host} does not resolve ({error.strerror}): launch with torchrun and a "
+                           f"reachable --rdzv-endpoint") from None
+    listener = socket.socket(family, kind, protocol)
+    try:
+        listener.bind(address[:2] if family == socket.AF_INET else address)
+        listener.listen(128)
+    except OSError as error:
+        listener.close()
+        raise AutoparError(f"rank 0 cannot listen on {address[0]} (MASTER_ADDR={host}): {error.strerror}; rank 0 "
+                           f"must run on the host MASTER_ADDR names (the --rdzv-endpoint host)") from None
+    return listener
+
+
 def round_store(rank: int, world_size: int):
     """A store that holds only this round's keys (see the module docstring)."""
     from torch.distributed import TCPStore
@@ -37,8 +67,9 @@ def round_store(rank: int, world_size: int):
     timeout = timedelta(seconds=_timeout_s())
     agent = TCPStore(host, port, world_size=world_size, is_master=False, timeout=timeout)
     if rank == 0:
-        own = TCPStore(host, 0, world_size=world_size, is_master=True, timeout=timeout,
-                       wait_for_workers=False)
+        listener = listening_socket(host)
+        own = TCPStore(host, listener.getsockname()[1], world_size=world_size, is_master=True, timeout=timeout,
+                       wait_for_workers=False, master_listen_fd=listener.detach())  # the store owns the socket now
         agent.set(ANNOUNCE_KEY, str(own.port))
         return own
     deadline = time.monotonic() + _timeout_s()
