@@ -155,8 +155,8 @@ class _GpuKernels(TorchFunctionMode):
     """Trace the kernels a GPU runs where the meta device would decompose differently (see the
     module docstring): attention as one fused op, or with `attention="math"` as Megatron-style
     unfused kernels (batched matmul, softmax, dropout, batched matmul); dropout as the fused
-    `native_dropout` CUDA uses. Grouped GEMM outside bf16 is refused with a clear message, as
-    torch's fake kernel (like the CUDA fast path) does not accept it."""
+    `native_dropout` CUDA uses. Grouped GEMM outside bf16, which torch's fake kernel (like the CUDA
+    fast path) does not accept, is traced as `autopar::grouped_mm`."""
 
     def __init__(self, attention: str) -> None:
         super().__init__()
@@ -165,9 +165,7 @@ class _GpuKernels(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _GROUPED_MM and any(isinstance(a, torch.Tensor) and a.dtype != torch.bfloat16 for a in args[:2]):
-            raise NotImplementedError(  # torch's meta kernel refuses it deep inside; say what to do instead
-                f"grouped GEMM (MoE experts) traces only in bf16, got {args[0].dtype}: use precision='bf16'"
-            )
+            return _any_precision_grouped_mm(*args, **kwargs)
         if func is F.dropout:
             return _dropout(*args, **kwargs)
         if func is not F.scaled_dot_product_attention:
@@ -193,6 +191,16 @@ class _GpuKernels(TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, mask, True, dropout, causal, scale=scale
         )[0]
+
+
+def _any_precision_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """Outside bf16, torch's fake kernel refuses grouped GEMM: trace autopar's (autopar.graph.grouped_mm)."""
+    from autopar.graph.grouped_mm import grouped_mm
+
+    if bias is not None or (out_dtype is not None and out_dtype != mat_a.dtype):
+        raise NotImplementedError("grouped GEMM with a bias or another output dtype traces only in bf16: "
+                                  "use precision='bf16'")
+    return grouped_mm(mat_a, mat_b, offs)
 
 
 def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from autopar.graph import grouped_mm as _any_precision  # noqa: F401  registers torch.ops.autopar.grouped_mm
+
 # Ops that move or allocate data but do no arithmetic.
 _NO_MATH = {
     "clone", "copy", "copy_", "_to_copy", "cat", "stack", "empty", "empty_like", "zeros", "zeros_like",
@@ -41,7 +43,7 @@ def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
     return 2 * out_val.numel() * mat_a.shape[-1]
 
 
-_EXTRA_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+_EXTRA_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops, torch.ops.autopar.grouped_mm: _grouped_mm_flops}
 
 
 def op_name(target: Any) -> str:
