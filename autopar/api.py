@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +21,7 @@ from typing import Any, Callable
 from torch import nn
 
 from autopar.cluster import ClusterSpec
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, CaptureError
 from autopar.graph import OpGraph, trace
 from autopar.plan_schema import Plan
 
@@ -79,6 +80,7 @@ class PlanResult:
     fixed: dict[str, Any]
     facts: Any = field(repr=False, default=None)
     capabilities: Any = field(repr=False, default=None)  # what the runtime can execute for this model
+    notes: list[str] = field(default_factory=list)  # what the user should know about how it was planned
     _summary: Any = field(repr=False, default=None)  # the Report, built on first use
 
     @property
@@ -223,17 +225,48 @@ def plan(
     name = name or type(model).__name__
     say(f"tracing {name} ({precision}" + (f", seq {seq_len}" if seq_len else "") + ") ...")
     started = time.perf_counter()
-    graph = trace(model, example_inputs, loss_fn=loss_fn, precision=precision, name=name, seq_len=seq_len)
+    graph, fallback = _capture(model, example_inputs, loss_fn=loss_fn, precision=precision, name=name,
+                               seq_len=seq_len)
+    if fallback:
+        say(f"note: {fallback}")
     say(f"searching {cluster.world_size} GPUs ({len(graph.nodes):,} ops traced in "
         f"{time.perf_counter() - started:.1f} s) ...")
     facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
     efficiency = _calibration(profile, profile_device, graph, cluster, say) if profile else None
     capabilities = capabilities_for(model)
+    if fallback:
+        refusal = "tensor and pipeline parallelism need the training step's op graph, which could not be captured"
+        capabilities = dataclasses.replace(capabilities, tensor_parallel_refusal=refusal, pipeline_refusal=refusal)
     result = search(graph, facts, cluster, global_batch, fixed=fixed, use_ilp=use_ilp, capabilities=capabilities,
                     **({"efficiency": efficiency} if efficiency else {}))
     chosen = build_plan(result.best, graph, facts, cluster) if result.best else None
     return PlanResult(plan=chosen, search=result, graph=graph, cluster=cluster, global_batch=global_batch,
-                      seq_len=seq_len, fixed=fixed, facts=facts, capabilities=capabilities)
+                      seq_len=seq_len, fixed=fixed, facts=facts, capabilities=capabilities,
+                      notes=[fallback] if fallback else [])
+
+
+def _capture(model: nn.Module, example_inputs: Any, **options) -> tuple[OpGraph, str | None]:
+    """The training step's op graph; when the model's own code cannot be traced in training mode (a
+    data-dependent branch such as LayerDrop's coin flip), the eval-mode step's, with a note: that
+    graph runs every layer without dropout, so it prices an upper bound of the step's work, and
+    only module-level data parallelism and ZeRO are planned from it."""
+    try:
+        return trace(model, example_inputs, **options), None
+    except CaptureError as error:
+        training = {module: module.training for module in model.modules()}
+        if not error.in_model_code or not any(training.values()):
+            raise
+        reason = str(error)
+        model.eval()
+        try:
+            graph = trace(model, example_inputs, **options)
+        except CaptureError:
+            raise error from None
+        finally:
+            for module, mode in training.items():
+                module.training = mode
+    return graph, (f"{reason}; planned from its eval-mode step instead (dropout and layer drop off, every layer "
+                   f"runs): data parallelism and ZeRO only, no tensor or pipeline parallelism")
 
 
 def _calibration(path: str | Path, device: str | None, graph: OpGraph, cluster: ClusterSpec, say: Progress):

@@ -19,4 +19,7 @@ class AutoparError(Exception):
 
 
 class CaptureError(AutoparError):
-    """The model could not be traced into an op graph."""
+    """The model could not be traced into an op graph. `in_model_code`: the model's own forward (or
+    torch under it) failed, as opposed to the inputs or options handed to the trace."""
+
+    in_model_code: bool = False

@@ -86,3 +86,30 @@ def test_model_hints_read_zoo_and_hugging_face_configs():
     with __import__("torch").device("meta"):
         model = transformers.GPT2LMHeadModel(config)
     assert autopar.model_hints(model) == {"heads": 4, "kv_heads": 4, "vocab": 77}
+
+
+def test_a_model_with_a_data_dependent_training_branch_is_planned_from_its_eval_step():
+    """Wav2Vec2's LayerDrop flips a coin per layer in training mode: no training graph, so autopar plans
+    module-level dp/ZeRO from the eval-mode step, says so, and offers no tp or pp."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, conv_dim=(16, 16), conv_stride=(5, 4),
+                                         conv_kernel=(10, 4), num_conv_pos_embeddings=16,
+                                         num_conv_pos_embedding_groups=4, layerdrop=0.5)
+    with torch.device("meta"):
+        model = transformers.Wav2Vec2ForCTC(config)
+    notes = []
+    result = autopar.plan(model, torch.zeros(1, 800, device="meta"), loss_fn=lambda out, x: out.logits.float().mean(),
+                          precision="fp32", cluster=autopar.load_cluster("dgx-h100", gpus=4), global_batch=8,
+                          use_ilp=False, progress=notes.append)
+    assert result.plan is not None and model.training  # the model's mode is restored
+    assert result.plan.strategy.tp == 1 and result.plan.strategy.pp == 1
+    (note,) = result.notes
+    assert "cannot trace" in note and "Wav2Vec2Encoder" in note and "eval-mode step" in note
+    assert any(message == f"note: {note}" for message in notes)
+    with pytest.raises(autopar.AutoparError, match="need the training step's op graph"):
+        autopar.plan(model, torch.zeros(1, 800, device="meta"), loss_fn=lambda out, x: out.logits.float().mean(),
+                     precision="fp32", cluster=autopar.load_cluster("dgx-h100", gpus=4), global_batch=8,
+                     strategy="tp=2", use_ilp=False)

@@ -111,7 +111,7 @@ def trace(
         except Exception as error:  # any failure inside user code or torch: name where it happened
             where = tags.current_path()
             owner = model.get_submodule(where) if where else model
-            raise CaptureError(_capture_failure(name, error, where, type(owner).__name__)) from error
+            raise _in_model_code(CaptureError(_capture_failure(name, error, where, type(owner).__name__))) from error
     _refuse_data_dependent_shapes(graph_module.graph, model, name)
 
     placeholder_names = (
@@ -355,7 +355,12 @@ def _refuse_data_dependent_shapes(graph: torch.fx.Graph, model: nn.Module, name:
                 where = (node.meta.get("custom") or {}).get("module", "")
                 owner = model.get_submodule(where) if where else model
                 error = DataDependentShape(f"the output shape of {node.target} depends on tensor values")
-                raise CaptureError(_capture_failure(name, error, where, type(owner).__name__))
+                raise _in_model_code(CaptureError(_capture_failure(name, error, where, type(owner).__name__)))
+
+
+def _in_model_code(error: CaptureError) -> CaptureError:
+    error.in_model_code = True
+    return error
 
 
 class DataDependentShape(Exception):
@@ -373,10 +378,7 @@ def _capture_failure(name: str, error: Exception, path: str, class_name: str) ->
             ".tolist(), boolean-mask indexing, cannot be traced on shapes alone)"
         )
     where = f"in module '{path}' ({class_name}.forward)" if path else f"in {class_name}.forward (top level)"
-    return (
-        f"cannot trace {name} {where}: {type(error).__name__}: {detail} "
-        f"-- autopar can still plan module-level data parallel / FSDP for this model (no tensor-parallel graph)"
-    )
+    return f"cannot trace {name} {where}: {type(error).__name__}: {detail}"
 
 
 def _batch_of(args: list, kwargs: dict) -> int:
