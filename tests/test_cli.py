@@ -93,7 +93,7 @@ def test_untraceable_model_is_one_line(capsys, tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     code, out, err = run(capsys, "inspect", "--model", "branchy:build")
-    _assert_one_line_error(code, out, err, "cannot trace", "in module 'inner'", "data parallel / FSDP")
+    _assert_one_line_error(code, out, err, "cannot trace", "in module 'inner'", "depend on tensor values")
 
 
 def test_failed_run_writes_nothing(capsys, tmp_path):
