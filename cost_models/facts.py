@@ -68,8 +68,6 @@ class Unit:
     # Tied weights this unit reads but another unit owns: (owner unit, elements, tp-sharded). A
     # pipeline rank that holds this unit without the owner keeps a copy (and syncs its gradient).
     borrowed: tuple[tuple[str, int, bool], ...] = ()
-    # Memo of derived costs (keyed by their arguments): a search costs each unit thousands of times.
-    memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     def params_on_device(self, tp: int) -> float:
         """Parameters one tp rank holds: its shard of the sharded ones, all of the rest."""

@@ -17,6 +17,7 @@ from autopar.plan import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.evaluate import Evaluation, evaluate, partition, with_fewest_recomputed_layers
 from autopar.cost_models.facts import ModelFacts
+from autopar.cost_models.stage_costs import CostCache
 from autopar.cost_models.strategy import check_strategy
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
@@ -73,13 +74,15 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
 def quick_evaluations(
     facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *, layers: int,
     efficiency: Efficiency = DEFAULT_EFFICIENCY, supports: Callable[[Strategy], str | None] | None = None,
-    overlap_grad_sync: bool = True,
+    overlap_grad_sync: bool = True, cache: CostCache | None = None,
 ) -> tuple[list[Evaluation], int, dict[str, int]]:
     """Every valid completion of `fixed`, costed with the closed-form pipeline estimate.
 
     `supports(strategy)` may veto a completion with a reason (the runtime's capability table).
     Returns (evaluations, completions tried, rejection reason → count); raises when none is valid.
+    `cache`: the caller's, shared by these evaluations (a fresh one if None).
     """
+    cache = cache if cache is not None else CostCache()
     _check_fixed_degrees(fixed, cluster.world_size)
     rejected: dict[str, int] = {}
     quick: list[Evaluation] = []
@@ -97,7 +100,7 @@ def quick_evaluations(
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
         quick.append(evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
-                                     overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed)))
+                                     overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache))
     if not quick:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
@@ -113,11 +116,14 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
             overlap_grad_sync: bool = True) -> WhatIf:
     """`overlap_grad_sync`: see `evaluate` (False prices Megatron-LM 2021's published runs)."""
     efficiency = efficiency or DEFAULT_EFFICIENCY
+    cache = CostCache()
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
-                                               efficiency=efficiency, overlap_grad_sync=overlap_grad_sync)
+                                               efficiency=efficiency, overlap_grad_sync=overlap_grad_sync,
+                                               cache=cache)
     quick.sort(key=lambda e: (not e.fits, e.step_time_s))
     ranked = [evaluate_fitted(facts, cluster, unfitted(e.strategy, fixed), global_batch, exact=True,
-                              efficiency=efficiency, overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed))
+                              efficiency=efficiency, overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed),
+                              cache=cache)
               for e in quick[:top_k]]
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
     best = ranked[0] if ranked[0].fits else None
@@ -126,15 +132,16 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
 
 def evaluate_fitted(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, global_batch: int, *,
                     exact: bool, efficiency: Efficiency = DEFAULT_EFFICIENCY,
-                    overlap_grad_sync: bool = True, fit: bool = True) -> Evaluation:
+                    overlap_grad_sync: bool = True, fit: bool = True, cache: CostCache | None = None) -> Evaluation:
     """`evaluate` on the even layer split, Megatron's head; with `fit`, a strategy that recomputes
     every layer comes back recomputing only the layers each stage needs to fit
     (`with_fewest_recomputed_layers`)."""
     stages = partition(facts, strategy.pp * strategy.vp)
+    cache = cache if cache is not None else CostCache()
 
     def run(trial: Strategy) -> Evaluation:
         return evaluate(facts, cluster, trial, global_batch, exact=exact, efficiency=efficiency, stages=stages,
-                        vocab=head_vocab(facts, trial), overlap_grad_sync=overlap_grad_sync)
+                        vocab=head_vocab(facts, trial), overlap_grad_sync=overlap_grad_sync, cache=cache)
 
     evaluation = run(strategy)
     return with_fewest_recomputed_layers(evaluation, stages, run) if fit else evaluation

@@ -33,6 +33,7 @@ from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as eve
                                   with_fewest_recomputed_layers)
 from autopar.cost_models.collectives import placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
+from autopar.cost_models.stage_costs import CostCache
 from autopar.cost_models.memory import model_state_bytes, usable_bytes
 from autopar.cost_models.strategy import check_strategy
 from autopar.cost_models.whatif import fit_recompute, head_vocab, quick_evaluations, unfitted
@@ -92,15 +93,16 @@ def search(
     fixed = dict(fixed or {})
     layers = layers if layers is not None else max(len(facts.layer_units), 1)
     capabilities = _megatron_checked(capabilities, graph, facts)
+    cache = CostCache()  # unit costs shared by every evaluation of this search
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
-                                               efficiency=efficiency, supports=capabilities.supports)
+                                               efficiency=efficiency, supports=capabilities.supports, cache=cache)
     quick.sort(key=_rank_key)
 
-    refiner = _Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities)
+    refiner = _Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities, cache)
     ranked = [refiner.refine(e.strategy) for e in quick[:REFINE_TOP]]
     ranked.sort(key=lambda c: _rank_key(c.evaluation))
     best = ranked[0] if ranked[0].evaluation.fits else None
-    why_not = _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best)
+    why_not = _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best, cache)
     return SearchResult(
         best=best, ranked=ranked[:top_k], why_not=why_not, candidates=count, rejected=rejected,
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,
@@ -133,8 +135,10 @@ def _rank_key(evaluation: Evaluation) -> tuple:
 class _Refiner:
     """Intra-op ILP per distinct unit (cached: layer instances share one solve) and the inter-op DP."""
 
-    def __init__(self, graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities) -> None:
+    def __init__(self, graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities,
+                 cost_cache: CostCache | None = None) -> None:
         self.graph, self.facts, self.cluster = graph, facts, cluster
+        self.cost_cache = cost_cache if cost_cache is not None else CostCache()
         self.capabilities = capabilities
         self.ilp_refused = 0
         self.fixed = fixed
@@ -264,7 +268,7 @@ class _Refiner:
         def evaluated(stages: list[list[Unit]]) -> Evaluation:
             def run(trial: Strategy) -> Evaluation:
                 return evaluate(facts, self.cluster, trial, self.global_batch, efficiency=self.efficiency,
-                                stages=stages, vocab=vocab, recompute_repeats=repeats)
+                                stages=stages, vocab=vocab, recompute_repeats=repeats, cache=self.cost_cache)
             return with_fewest_recomputed_layers(run(strategy), stages, run) if fit else run(strategy)
 
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
@@ -295,12 +299,12 @@ class _Refiner:
                         comm += count * collective_time_s("all_reduce", total / count, tp_layout, self.cluster)
             recompute = t.forward_s if (s.recompute == "full" and unit.layer_type) else 0.0
             policy = s.recompute if unit.layer_type else "none"
-            full = unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, "none")
+            full = unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, "none", self.cost_cache)
             params = unit.params_on_device(s.tp)
             costs.append(UnitCost(
                 time_s=t.forward_s + t.backward_s + comm + recompute,
                 state_bytes=params * state,
-                activation_bytes=unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, policy),
+                activation_bytes=unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, policy, self.cost_cache),
                 transient_bytes=full if policy != "none" else 0.0,
             ))
         bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,
@@ -348,7 +352,7 @@ def _one_each(proposed: dict[str, list[str]], limit: int = 8) -> list[dict[str, 
     return choices
 
 
-def _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best) -> list[WhyNot]:
+def _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best, cache) -> list[WhyNot]:
     reference = best.evaluation if best else ranked[0].evaluation
     rows: list[WhyNot] = []
     for candidate in ranked[1:4]:
@@ -371,7 +375,7 @@ def _why_not(ranked, quick, facts, cluster, global_batch, efficiency, best) -> l
             continue
         choice = options[0]  # quick is ranked: the best of its family
         exact = evaluate(facts, cluster, choice.strategy, global_batch, efficiency=efficiency,
-                         vocab=head_vocab(facts, choice.strategy))  # as `refine` prices Megatron
+                         vocab=head_vocab(facts, choice.strategy), cache=cache)  # as `refine` prices Megatron
         if best is not None and choice.strategy == best.strategy:
             continue
         rows.append(WhyNot(label, choice.strategy, _reason(exact, reference)))
