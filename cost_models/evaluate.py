@@ -7,9 +7,11 @@ weights per micro-batch overlapped with compute, then data-parallel gradient syn
 the last micro-batch's backward (bucketed), the gradient sum of weights tied across pipeline ranks
 (a GPT's embedding and head), then the optimizer step.
 
-`overlap_grad_sync=False` prices a system that starts the data-parallel sync only after the last
-backward, as Megatron-LM's 2021 local DDP did (`allreduce_gradients()` after
-`forward_backward_func` in megatron/training.py): what its published runs measured.
+The strategy's implementation profile (`cost_models.implementation`) prices other software as it
+ran: `dp_overlap=False` starts the data-parallel sync only after the last backward, as
+Megatron-LM's 2021 local DDP did (`allreduce_gradients()` after `forward_backward_func` in
+megatron/training.py), what its published runs measured (`overlap_grad_sync=False` does the same
+whatever the strategy says).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_par
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.facts import ModelFacts, Unit
+from autopar.cost_models.implementation import as_run
 from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, device_memory,
                                         state_bytes_per_param, usable_bytes)
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
@@ -36,6 +39,12 @@ from autopar.cost_models.strategy import even_stage_layers
 # Adam step traffic per parameter: read fp32 master, two moments and the gradient, write master,
 # moments and the low-precision weight copy (about 28 bytes either way).
 OPTIMIZER_BYTES_PER_PARAM = 28
+
+
+def optimizer_step_bytes(optimizer_state: str) -> float:
+    """HBM traffic of one Adam step per parameter: 28 bytes with fp32 moments, 8 fewer in bf16
+    (each moment read and written at 2 bytes instead of 4)."""
+    return OPTIMIZER_BYTES_PER_PARAM - (8 if optimizer_state == "bf16" else 0)
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,11 @@ def evaluate(
     a plan's tp communication is priced from the same collectives its ledger lists. `cache`: the
     caller's, to share derived unit costs across evaluations of one model (a fresh one if None)."""
     s = strategy
+    implemented = as_run(facts, s.attention, s.dropout)
+    if implemented is not facts and stages is not None:  # the caller's stages, as the profile runs them
+        by_name = {unit.name: unit for unit in implemented.units}
+        stages = [[by_name.get(unit.name, unit) for unit in units] for units in stages]
+    facts = implemented
     stages_units = stages if stages is not None else partition(facts, s.pp * s.vp)
     if len(stages_units) != s.pp * s.vp:
         raise ValueError(f"{len(stages_units)} stages given for pp×vp = {s.pp * s.vp}")
@@ -105,7 +119,7 @@ def evaluate(
     for rank, tied in enumerate(tied_ranks):
         rank_params[rank] += sum(elements for _, elements in tied["copies"])  # a tied head's copy of the embedding
     pipe = run_pipeline(pricing, prices, stages_units, exact)
-    tails = rank_tails(pricing, prices, stages_units, rank_params, tied_ranks, overlap_grad_sync)
+    tails = rank_tails(pricing, prices, stages_units, rank_params, tied_ranks, overlap_grad_sync and s.dp_overlap)
     memory = rank_memory(pricing, prices, pipe, rank_params)
     return summarize(pricing, global_batch, prices, pipe, tails, memory)
 
@@ -135,7 +149,7 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
     (bucketed, overlapped with that backward unless `overlap_grad_sync` is False), the sums of
     sequence-parallel norm gradients and tied weights, and the optimizer step."""
     s, cluster, efficiency = pricing.strategy, pricing.cluster, pricing.efficiency
-    per = state_bytes_per_param(pricing.facts.precision)
+    per = state_bytes_per_param(pricing.facts.precision, s.optimizer_state)
     dp_layout, tp_layout = pricing.dp_layout, pricing.tp_layout
     # first and last pipeline ranks: `pp - 1` rank strides apart
     tied_layout = group_layout(2, s.dp * s.tp * max(s.pp - 1, 1), cluster.gpus_per_node)
@@ -148,8 +162,10 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
             window = sum(prices.stages[i].backward_s for i in stage_indices)
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
             exposed = max(reduce - window, reduce / buckets) if overlap_grad_sync else reduce
-            if s.zero >= 1:  # updated weight shards are gathered after the step: nothing to hide it behind
-                exposed += collective_time_s("all_gather", rank_params[rank] * per.weight, dp_layout, cluster)
+            if s.zero >= 1:  # the updated weight shards, gathered before (or during) the next forward
+                gather = collective_time_s("all_gather", rank_params[rank] * per.weight, dp_layout, cluster)
+                first_forward = sum(prices.stages[i].forward_s for i in stage_indices)
+                exposed += max(gather - first_forward, gather / buckets) if overlap_grad_sync else gather
         rank_units = [u for i in stage_indices for u in stages_units[i]]
         exposed += sum(calls * collective_time_s("all_reduce", size, tp_layout, cluster)
                        for size, calls in sequence_parallel_gradient_reductions(rank_units, s))
@@ -157,7 +173,8 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
             tied_bytes = tied_ranks[rank]["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES
             exposed += collective_time_s("all_reduce", tied_bytes, tied_layout, cluster)
         updated = rank_params[rank] / (s.dp if s.zero >= 1 else 1)
-        step = updated * OPTIMIZER_BYTES_PER_PARAM / (cluster.gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
+        step = updated * optimizer_step_bytes(s.optimizer_state) / (cluster.gpu.hbm_bandwidth_bytes_per_s
+                                                                      * efficiency.memory)
         tails.append(RankTail(exposed, step))
     return tails
 
@@ -173,6 +190,7 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             precision=pricing.facts.precision, zero=s.zero, dp=s.dp,
             activation_bytes=pipe.peak_in_flight[rank]
             + max(prices.stages[i].transient_bytes for i in stage_indices),
+            optimizer_state=s.optimizer_state,
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )

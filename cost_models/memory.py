@@ -26,10 +26,13 @@ class StateBytes:
     optimizer: int  # fp32 master (mixed precision) + two Adam moments
 
 
-def state_bytes_per_param(precision: str) -> StateBytes:
+def state_bytes_per_param(precision: str, optimizer_state: str = "fp32") -> StateBytes:
+    """`optimizer_state="bf16"`: Adam's two moments in bf16 beside the fp32 master weights
+    (e.g. Megatron-Core's --exp-avg-dtype/--exp-avg-sq-dtype bf16): 4 + 2 + 2 bytes."""
+    moments = 4 if optimizer_state == "bf16" else 8
     if precision == "fp32":
-        return StateBytes(weight=4, gradient=4, optimizer=8)
-    return StateBytes(weight=2, gradient=2, optimizer=12)
+        return StateBytes(weight=4, gradient=4, optimizer=moments)
+    return StateBytes(weight=2, gradient=2, optimizer=4 + moments)
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,10 @@ class MemoryBreakdown:
         }
 
 
-def model_state_bytes(params_on_device: float, precision: str, zero: int, dp: int) -> tuple[float, float, float]:
+def model_state_bytes(params_on_device: float, precision: str, zero: int, dp: int,
+                      optimizer_state: str = "fp32") -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) held by one device for its share of parameters."""
-    per = state_bytes_per_param(precision)
+    per = state_bytes_per_param(precision, optimizer_state)
     weights = params_on_device * per.weight / (dp if zero >= 3 else 1)
     gradients = params_on_device * per.gradient / (dp if zero >= 2 else 1)
     optimizer = params_on_device * per.optimizer / (dp if zero >= 1 else 1)
@@ -69,9 +73,10 @@ def device_memory(
     zero: int,
     dp: int,
     activation_bytes: float,
+    optimizer_state: str = "fp32",
 ) -> MemoryBreakdown:
-    weights, gradients, optimizer = model_state_bytes(params_on_device, precision, zero, dp)
-    per = state_bytes_per_param(precision)
+    weights, gradients, optimizer = model_state_bytes(params_on_device, precision, zero, dp, optimizer_state)
+    per = state_bytes_per_param(precision, optimizer_state)
     if zero >= 3:  # the gathered layer in use and the next one being prefetched
         buffers = 2 * largest_unit_params * per.weight
     elif dp > 1:

@@ -138,16 +138,25 @@ def unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         return _unit_part(pricing, unit, policy)
     s, cluster = pricing.strategy, pricing.cluster
     key = pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.tp, s.sp, policy,
-                               pricing.efficiency, cluster.gpus_per_node, cluster.intra_node, cluster.inter_node))
+                               s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
+                               cluster.inter_node))
     return pricing.cache.get(unit, (key,), lambda: _unit_part(pricing, unit, policy))
 
 
 def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,
-                      others: tuple[tuple[str, float], ...] = ()) -> float:
-    if pricing.strategy.tp == 1:
+                      others: tuple[tuple[str, float], ...] = (), matmul_s: float = 0.0) -> float:
+    """The tp collectives of a unit's pass, exposed: all of them, or with `tp_overlap` what the
+    pass's GEMMs cannot hide. Overlap splits each collective into tp chunks pipelined with the
+    GEMM's own (Transformer Engine's userbuffers; Wang et al., "Overlap Communication with
+    Dependent Computation via Decomposition", ASPLOS'23), so one chunk's transfer stays exposed."""
+    s = pricing.strategy
+    if s.tp == 1:
         return 0.0
     reduces = count * pricing.tp_time_s("all_reduce", total_bytes / count) if count else 0.0
-    return reduces + sum(pricing.tp_time_s(kind, size) for kind, size in others)
+    comm = reduces + sum(pricing.tp_time_s(kind, size) for kind, size in others)
+    if not s.tp_overlap or comm == 0:
+        return comm
+    return max(comm - matmul_s, comm / s.tp)
 
 
 def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
@@ -170,9 +179,10 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         transient = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective", cache)
     return UnitPart(
         forward_s=t.forward_s, backward_s=t.backward_s,
-        forward_comm_s=_tp_reduce_time_s(pricing, t.forward_reduce_bytes, t.forward_reduces, t.forward_collectives),
+        forward_comm_s=_tp_reduce_time_s(pricing, t.forward_reduce_bytes, t.forward_reduces, t.forward_collectives,
+                                         t.forward_matmul_s),
         backward_comm_s=_tp_reduce_time_s(pricing, t.backward_reduce_bytes, t.backward_reduces,
-                                          t.backward_collectives),
+                                          t.backward_collectives, t.backward_matmul_s),
         recompute_s=recompute_s, transient_bytes=transient,
         activation_bytes=unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache),
         params_on_device=unit.params_on_device(s.tp))
@@ -181,15 +191,18 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
 def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], forward_s: float, backward_s: float
                      ) -> tuple[float, float]:
     """ZeRO-3's per-micro-batch weight gathers (and gradient scatters) left after overlapping them
-    with the stage's compute: at least the first layer's gather is exposed."""
+    with the stage's compute: at least the first layer's gather is exposed; all of them without
+    `dp_overlap` (no prefetch)."""
     s = pricing.strategy
     if s.zero < 3 or s.dp == 1:
         return 0.0, 0.0
-    per = state_bytes_per_param(pricing.facts.precision)
+    per = state_bytes_per_param(pricing.facts.precision, s.optimizer_state)
     stage_weight_bytes = sum(u.params_on_device(s.tp) for u in units) * per.weight
     gather = collective_time_s("all_gather", stage_weight_bytes, pricing.dp_layout, pricing.cluster)
     scatter = collective_time_s("reduce_scatter", stage_weight_bytes / per.weight * GRADIENT_REDUCE_BYTES,
                                 pricing.dp_layout, pricing.cluster)
+    if not s.dp_overlap:
+        return gather, gather + scatter
     first = gather / max(len(units), 1)
     return max(gather - forward_s, first), max(gather + scatter - backward_s, first)
 

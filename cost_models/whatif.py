@@ -17,6 +17,7 @@ from autopar.plan import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.evaluate import Evaluation, evaluate, partition, with_fewest_recomputed_layers
 from autopar.cost_models.facts import ModelFacts
+from autopar.cost_models.implementation import RUNTIME_PROFILE, as_run, profile_of
 from autopar.cost_models.stage_costs import CostCache
 from autopar.cost_models.strategy import check_strategy
 
@@ -37,8 +38,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> Iterator[Strategy]:
+    """Every strategy with the fixed keys; the implementation profile is the fixed one or the
+    runtime's (never enumerated: the searcher chooses only what the runtime runs)."""
     def choices(key: str, options) -> list:
         return [fixed[key]] if key in fixed else list(options)
+
+    profile = profile_of(fixed)
 
     for tp, pp in product(choices("tp", _divisors(world_size)), choices("pp", _divisors(world_size))):
         if world_size % (tp * pp):
@@ -66,7 +71,7 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
                 try:
                     yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
                                    num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
-                                   recompute_layers=counts)
+                                   recompute_layers=counts, **profile)
                 except ValueError:
                     continue
 
@@ -78,18 +83,21 @@ def quick_evaluations(
 ) -> tuple[list[Evaluation], int, dict[str, int]]:
     """Every valid completion of `fixed`, costed with the closed-form pipeline estimate.
 
-    `supports(strategy)` may veto a completion with a reason (the runtime's capability table).
+    `supports(strategy)` may veto a completion with a reason (the runtime's capability table); it
+    sees the strategy under the runtime's implementation profile, since a profile the user fixed
+    is a what-if price, not a choice (the runtime refuses it when asked to run it).
     Returns (evaluations, completions tried, rejection reason → count); raises when none is valid.
     `cache`: the caller's, shared by these evaluations (a fresh one if None).
     """
     cache = cache if cache is not None else CostCache()
+    facts = priced_as_run(facts, fixed)
     _check_fixed_degrees(fixed, cluster.world_size)
     rejected: dict[str, int] = {}
     quick: list[Evaluation] = []
     count = 0
     for strategy in completions(fixed, cluster.world_size, global_batch):
         count += 1
-        reason = supports(strategy) if supports is not None else None
+        reason = supports(strategy.model_copy(update=RUNTIME_PROFILE)) if supports is not None else None
         if reason is None:
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
@@ -116,6 +124,7 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
             overlap_grad_sync: bool = True) -> WhatIf:
     """`overlap_grad_sync`: see `evaluate` (False prices Megatron-LM 2021's published runs)."""
     efficiency = efficiency or DEFAULT_EFFICIENCY
+    facts = priced_as_run(facts, fixed)
     cache = CostCache()
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
                                                efficiency=efficiency, overlap_grad_sync=overlap_grad_sync,
@@ -145,6 +154,12 @@ def evaluate_fitted(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy,
 
     evaluation = run(strategy)
     return with_fewest_recomputed_layers(evaluation, stages, run) if fit else evaluation
+
+
+def priced_as_run(facts: ModelFacts, fixed: dict[str, Any]) -> ModelFacts:
+    """The facts as the fixed implementation profile runs them (`implementation.as_run`)."""
+    profile = profile_of(fixed)
+    return as_run(facts, profile["attention"], profile["dropout"])
 
 
 def fit_recompute(fixed: dict[str, Any]) -> bool:

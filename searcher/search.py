@@ -36,7 +36,8 @@ from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.stage_costs import CostCache
 from autopar.cost_models.memory import model_state_bytes, usable_bytes
 from autopar.cost_models.strategy import check_strategy
-from autopar.cost_models.whatif import fit_recompute, head_vocab, quick_evaluations, unfitted
+from autopar.cost_models.implementation import is_runtime_profile
+from autopar.cost_models.whatif import fit_recompute, head_vocab, priced_as_run, quick_evaluations, unfitted
 from autopar.searcher.inter_op import UnitCost, partition as dp_partition
 from autopar.searcher.memory_budget import LayerBudget, layer_budget
 
@@ -92,6 +93,10 @@ def search(
     started = time.perf_counter()
     fixed = dict(fixed or {})
     layers = layers if layers is not None else max(len(facts.layer_units), 1)
+    # A fixed implementation profile prices other software as it ran: its facts as that software
+    # runs them, and Megatron's layout only (the ILP's placements are for autopar's runtime).
+    facts = priced_as_run(facts, fixed)
+    use_ilp = use_ilp and is_runtime_profile(fixed)
     capabilities = _megatron_checked(capabilities, graph, facts)
     cache = CostCache()  # unit costs shared by every evaluation of this search
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
