@@ -48,6 +48,7 @@ def evaluation_summary(evaluation: Evaluation) -> dict[str, Any]:
             "peak_memory_bytes": evaluation.peak_memory_bytes,
             "peak_memory_bytes_per_stage": [m.total_bytes for m in evaluation.memory],
             "memory_breakdown_bytes": [m.as_dict() for m in evaluation.memory],
+            "memory_headroom_bytes": evaluation.headroom_bytes,  # left free beyond capacity_bytes
             "breakdown": evaluation.breakdown,
             "compute_s_per_stage": list(evaluation.rank_compute_s),
         },

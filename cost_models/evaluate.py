@@ -29,7 +29,7 @@ from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.implementation import as_run
 from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, device_memory,
-                                        state_bytes_per_param, usable_bytes)
+                                        planning_capacity_bytes, state_bytes_per_param)
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
 from autopar.cost_models.recompute import fewest_recomputed_layers, one_more_layer
 from autopar.cost_models.stage_costs import (CostCache, Pricing, StageCost, StagePrices, price_stages,
@@ -61,7 +61,8 @@ class Evaluation:
     breakdown: dict[str, float]
     stages: tuple[StageCost, ...]
     pipeline: PipelineResult | None = field(default=None, repr=False)
-    capacity_bytes: float = 0.0
+    capacity_bytes: float = 0.0  # what the plan may use: usable memory less the headroom
+    headroom_bytes: float = 0.0  # memory the planner leaves free beyond the model's margins (cluster.memory_headroom)
     # Per pipeline rank, one step's busy time with no communication in it (forward, backward,
     # recompute, optimizer): the figure a profiler can check rank by rank.
     rank_compute_s: tuple[float, ...] = ()
@@ -203,7 +204,8 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
     rank_finish = [pipe.rank_end_s[rank] + tail.exposed_comm_s + tail.optimizer_s for rank, tail in enumerate(tails)]
     step_time = max(rank_finish)
     critical = rank_finish.index(step_time)
-    capacity = usable_bytes(gpu.memory_bytes)
+    capacity = planning_capacity_bytes(gpu.memory_bytes, pricing.cluster.memory_headroom)
+    headroom = planning_capacity_bytes(gpu.memory_bytes, 0.0) - capacity
     tokens = global_batch * facts.seq_len
     model_flops = facts.flops_per_sample * global_batch  # no recompute
     tflops_per_gpu = model_flops / step_time / (s.dp * s.tp * s.pp) / 1e12
@@ -226,7 +228,7 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
         mfu=tflops_per_gpu * 1e12 / gpu.peak_flops_per_s(facts.precision),
         fits=all(m.total_bytes <= capacity for m in memory), memory=memory,
         breakdown=breakdown, stages=prices.stages, pipeline=pipe,
-        capacity_bytes=capacity, rank_compute_s=rank_compute,
+        capacity_bytes=capacity, headroom_bytes=headroom, rank_compute_s=rank_compute,
     )
 
 

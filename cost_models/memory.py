@@ -14,7 +14,11 @@ from dataclasses import dataclass
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); two are in flight while overlapping.
 DDP_BUCKET_BYTES = 25 * 2**20
 # Nominal allocator fragmentation margin and CUDA context + NCCL reserve, until GPU validation
-# (issue #4, item 7) measures them: a plan must leave this much of the device free.
+# (issue #4, item 7) measures them: a plan must leave this much of the device free. The margin
+# is charged on what the caching allocator churns, activations and communication buffers
+# allocated and freed every micro-batch in blocks of varying size; model states are allocated
+# once, in large long-lived blocks (FSDP2's flat shards, Megatron-LM's contiguous gradient
+# buffer), and fragment little.
 FRAGMENTATION_MARGIN = 0.05
 RESERVED_BYTES = 2 * 2**30
 
@@ -83,12 +87,17 @@ def device_memory(
         buffers = 2 * DDP_BUCKET_BYTES
     else:
         buffers = 0.0
-    subtotal = weights + gradients + optimizer + activation_bytes + buffers
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
-        buffers=buffers, margin=FRAGMENTATION_MARGIN * subtotal,
+        buffers=buffers, margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers),
     )
 
 
 def usable_bytes(memory_bytes: float) -> float:
     return memory_bytes - RESERVED_BYTES
+
+
+def planning_capacity_bytes(memory_bytes: float, headroom: float) -> float:
+    """What a plan's predicted peak may reach: usable memory less the planner's headroom, a
+    fraction of it (`autopar.cluster.DEFAULT_MEMORY_HEADROOM`)."""
+    return usable_bytes(memory_bytes) * (1 - headroom)

@@ -34,7 +34,7 @@ from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as eve
 from autopar.cost_models.collectives import placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.stage_costs import CostCache
-from autopar.cost_models.memory import model_state_bytes, usable_bytes
+from autopar.cost_models.memory import model_state_bytes, planning_capacity_bytes
 from autopar.cost_models.strategy import check_strategy
 from autopar.cost_models.implementation import is_runtime_profile
 from autopar.cost_models.whatif import fit_recompute, head_vocab, priced_as_run, quick_evaluations, unfitted
@@ -314,7 +314,8 @@ class _Refiner:
             ))
         bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,
                               schedule="gpipe" if s.schedule == "gpipe" else "1f1b",
-                              memory_capacity_bytes=usable_bytes(self.cluster.gpu.memory_bytes) / 1.05)
+                              memory_capacity_bytes=planning_capacity_bytes(
+                                  self.cluster.gpu.memory_bytes, self.cluster.memory_headroom) / 1.05)
         if bounds is None:
             return None
         return [list(facts.units[a:b]) for a, b in bounds]

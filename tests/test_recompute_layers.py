@@ -35,8 +35,9 @@ def strategy(**changes):
 
 
 def with_memory(capacity_bytes: float):
+    """A cluster whose plans may use exactly `capacity_bytes` (no planner headroom on top)."""
     gpu = CLUSTER.gpu.model_copy(update={"memory_bytes": int(capacity_bytes + RESERVED_BYTES)})
-    return CLUSTER.model_copy(update={"gpu": gpu})
+    return CLUSTER.model_copy(update={"gpu": gpu, "memory_headroom": 0.0})
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
