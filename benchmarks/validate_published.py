@@ -93,16 +93,7 @@ def machine() -> str:
     return f"{platform.node()} ({platform.machine()}, {platform.processor() or 'cpu'}), commit {commit or '?'}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", default=[str(DEFAULT_RUNS)], help="published-runs JSON files")
-    parser.add_argument("--only", default="", help="comma-separated row ids")
-    parser.add_argument("--no-fit", action="store_true", help="price with FITTED_EFFICIENCY as committed, no fits")
-    args = parser.parse_args()
-    rows = [row for path in args.runs for row in load_runs(path)[1]]
-    if args.only:
-        rows = [row for row in rows if row["id"] in args.only.split(",")]
-    print(f"machine: {machine()}")
+def traced_runs(rows: list[dict]) -> list[PublishedRun]:
     runs: list[PublishedRun] = []
     for row in rows:
         run = published_run(row)
@@ -115,53 +106,75 @@ def main() -> None:
     for run in runs:
         print(f"{run.id}: --strategy {run.strategy_text()}; {run.accounting}"
               + (f"; assumed: {', '.join(run.assumptions)}" if run.assumptions else ""))
+    return runs
 
-    committed = FITTED_EFFICIENCY
+
+def cross_validate(runs: list[PublishedRun], committed: Efficiency) -> dict[str, float]:
+    """Prints the fit on all rows and on each family's complement; returns each row's error when
+    its family was left out of the fit (its micro-batch and schedule chosen under that fit)."""
     chosen = {run.id: choose(run, committed).strategy for run in runs}
-    families = sorted({run.family for run in runs})
+    fitted_all, score = fit(runs, chosen, committed)
+    print(f"fit on all {len(runs)} rows: {_constants(fitted_all)} (training MAPE {score:.1%}, closed-form pipeline); "
+          f"committed: {_constants(committed)}")
     held_out: dict[str, float] = {}
-    if not args.no_fit:
-        fitted_all, score = fit(runs, chosen, committed)
-        print(f"fit on all {len(runs)} rows: " + ", ".join(f"{k}={getattr(fitted_all, k):.4g}" for k in FITTED)
-              + f" (training MAPE {score:.1%}, closed-form pipeline); committed: "
-              + ", ".join(f"{k}={getattr(committed, k):.4g}" for k in FITTED))
-        for family in families:
-            train = [run for run in runs if run.family != family]
-            test = [run for run in runs if run.family == family]
-            if not train:
-                continue
-            fitted, score = fit(train, chosen, committed)
-            print(f"fit without {family}: " + ", ".join(f"{k}={getattr(fitted, k):.4g}" for k in FITTED)
-                  + f" (training MAPE {score:.1%})")
-            for run in test:
-                predicted = step_time_s(run, choose(run, fitted).strategy, fitted, exact=True)
-                held_out[run.id] = predicted / run.measured_step_time_s() - 1
+    for family in sorted({run.family for run in runs}):
+        train = [run for run in runs if run.family != family]
+        if not train:
+            continue
+        fitted, score = fit(train, chosen, committed)
+        print(f"fit without {family}: {_constants(fitted)} (training MAPE {score:.1%})")
+        for run in (run for run in runs if run.family == family):
+            predicted = step_time_s(run, choose(run, fitted).strategy, fitted, exact=True)
+            held_out[run.id] = predicted / run.measured_step_time_s() - 1
+    return held_out
+
+
+def _constants(efficiency: Efficiency) -> str:
+    return ", ".join(f"{name}={getattr(efficiency, name):.4g}" for name in FITTED)
+
+
+def print_table(runs: list[PublishedRun], committed: Efficiency, held_out: dict[str, float]) -> None:
     print(f"\n{'run':<30} {'GPUs':>5} {'tp':>3} {'pp':>3} {'dp':>3} {'chosen':<20} {'measured s':>10} "
           f"{'predicted s':>11} {'error':>7} {'held out':>9} {'peak GiB':>8}  fits")
-    errors = []
+    errors: dict[str, float] = {}
     for run in runs:
         evaluation = choose(run, committed)
         s = evaluation.strategy
         measured = run.measured_step_time_s()
-        error = evaluation.step_time_s / measured - 1
-        errors.append(abs(error))
+        errors[run.id] = evaluation.step_time_s / measured - 1
         label = f"mb={s.microbatch} {s.schedule}" + (f" v={s.vp}" if s.vp > 1 else "")
         device_fit = evaluation.peak_memory_bytes <= evaluation.capacity_bytes + evaluation.headroom_bytes
         fits = "yes" if evaluation.fits else ("device only" if device_fit else "NO")
         out = f"{held_out[run.id]:>+9.1%}" if run.id in held_out else f"{'':>9}"
         print(f"{run.id:<30} {run.row['n_gpus']:>5} {s.tp:>3} {s.pp:>3} {s.dp:>3} {label:<20} {measured:>10.2f} "
-              f"{evaluation.step_time_s:>11.2f} {error:>+7.1%} {out} {evaluation.peak_memory_bytes / 2**30:>8.1f}  {fits}")
-    print(f"MAPE over {len(errors)} runs (committed constants): {sum(errors) / len(errors):.1%}")
-    for family in families:
-        family_errors = [abs(e) for run, e in zip(runs, errors) if run.family == family]
-        print(f"  {family}: {sum(family_errors) / len(family_errors):.1%} over {len(family_errors)} runs")
+              f"{evaluation.step_time_s:>11.2f} {errors[run.id]:>+7.1%} {out} "
+              f"{evaluation.peak_memory_bytes / 2**30:>8.1f}  {fits}")
+    _summary("MAPE (committed constants)", runs, errors)
     if held_out:
-        print(f"leave-one-family-out MAPE over {len(held_out)} runs: "
-              f"{sum(abs(e) for e in held_out.values()) / len(held_out):.1%}")
-        for family in families:
-            family_errors = [abs(held_out[run.id]) for run in runs if run.family == family and run.id in held_out]
-            if family_errors:
-                print(f"  {family} held out: {sum(family_errors) / len(family_errors):.1%}")
+        _summary("leave-one-family-out MAPE", runs, held_out)
+
+
+def _summary(label: str, runs: list[PublishedRun], errors: dict[str, float]) -> None:
+    scored = [run for run in runs if run.id in errors]
+    print(f"{label} over {len(scored)} runs: {sum(abs(errors[r.id]) for r in scored) / len(scored):.1%}")
+    for family in sorted({run.family for run in scored}):
+        family_errors = [abs(errors[run.id]) for run in scored if run.family == family]
+        print(f"  {family}: {sum(family_errors) / len(family_errors):.1%} over {len(family_errors)} runs")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", nargs="+", default=[str(DEFAULT_RUNS)], help="published-runs JSON files")
+    parser.add_argument("--only", default="", help="comma-separated row ids")
+    parser.add_argument("--no-fit", action="store_true", help="price with FITTED_EFFICIENCY as committed, no fits")
+    args = parser.parse_args()
+    rows = [row for path in args.runs for row in load_runs(path)[1]]
+    if args.only:
+        rows = [row for row in rows if row["id"] in args.only.split(",")]
+    print(f"machine: {machine()}")
+    runs = traced_runs(rows)
+    held_out = {} if args.no_fit else cross_validate(runs, FITTED_EFFICIENCY)
+    print_table(runs, FITTED_EFFICIENCY, held_out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.cost_models.facts import GemmShape, ModelFacts, OpFacts, Unit
+from autopar.cost_models.facts import GemmShape, ModelFacts, OpFacts
 
 RUNTIME_PROFILE: dict[str, Any] = {"attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
                                    "optimizer_state": "fp32"}

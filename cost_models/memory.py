@@ -5,6 +5,21 @@ Model states per parameter (Rajbhandari et al., "ZeRO", SC'20, §3.1 and §5): m
 Adam holds a 2-byte weight, a 2-byte gradient and 12 bytes of fp32 master weight and moments;
 fp32 training holds 4 + 4 + 8. ZeRO-1 shards the optimizer states over dp, ZeRO-2 also the
 gradients, ZeRO-3 also the weights.
+
+What this model gets wrong, by what we can see without a GPU (issue #18; validation pending):
+- Sequence length: activations are the traced graph's saved tensors, linear in s with fused
+  attention (s² with `attention=math`), which matches Korthikanti et al. 2022 (32·s·h per layer and
+  sample at tp=1, 4·s·h with tp=8 and sp, vs their 34 and 4.25 with dropout masks). Missing: the
+  backward's transient gradient buffers (a few b·s·h per layer, and at the head the fp32 logits'
+  gradient, b·s·V·4/tp, beside the saved log-probabilities), so long-sequence, large-vocabulary
+  last stages are under-predicted by up to about one micro-batch's logits.
+- Tensor parallelism: the head's logits are counted vocabulary-parallel (divided by tp) on every
+  stage, as Megatron-LM runs them; autopar's runtime gathers them on a pipeline's last stage, so
+  its pp > 1, tp > 1 last stage is under-predicted by (tp−1)/tp of the logits. Without sp, the
+  replicated norm inputs are kept whole on each tp rank (counted).
+- Gradients are held at the compute precision (2 bytes); Megatron-LM accumulates them in an fp32
+  buffer (4 bytes), so its runs hold 2 bytes per parameter more than predicted here.
+- The fragmentation margin and the CUDA/NCCL reserve are nominal (below) until measured.
 """
 
 from __future__ import annotations

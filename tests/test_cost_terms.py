@@ -224,3 +224,20 @@ def test_published_accountings_follow_their_formulas():
     timed = published_run({**row, "iteration_time_s": 3.5})
     assert timed.measured_step_time_s() == 3.5
     assert isinstance(published_run({**row, "gpu": "V100"}), str)
+
+
+def test_the_runtime_refuses_a_plan_priced_for_other_software_before_anything_runs():
+    """A plan saved from `--strategy attention=math` is a price, not something autopar runs."""
+    import autopar
+    from autopar.searcher.plan_builder import build_plan
+    from autopar.searcher.search import search
+
+    spec = build_model("gpt", "layers=2,hidden=64,heads=4,vocab=128,seq_len=32")
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="fp32")
+    facts = model_facts(graph, heads=4, vocab=128)
+    cluster = load_cluster("dgx-h100", gpus=1)
+    result = search(graph, facts, cluster, 4, fixed={"attention": "math"}, use_ilp=False)
+    plan = build_plan(result.best, graph, facts, cluster)
+    assert plan.strategy.attention == "math"
+    with pytest.raises(AutoparError, match="this plan cannot run: attention=math"):
+        autopar.parallelize(spec.module, plan, loss_fn=spec.loss_fn)
