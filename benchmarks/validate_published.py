@@ -67,12 +67,14 @@ def mape(runs: list[PublishedRun], strategies: dict[str, object], efficiency: Ef
 
 
 def fit(runs: list[PublishedRun], strategies: dict[str, object], base: Efficiency) -> tuple[Efficiency, float]:
-    """Coordinate search over `FITTED` on log grids (two sweeps, the second around the first's
-    best), minimizing MAPE on `runs` with each run's strategy held fixed (closed-form pipeline)."""
-    values = {name: getattr(base, name) or math.sqrt(low * high) for name, (low, high) in FITTED.items()}
+    """Coordinate search over `FITTED` on log grids (three sweeps, the later ones around the best
+    so far), minimizing MAPE on `runs` with each run's strategy held fixed (closed-form pipeline).
+    It starts from the middle of each range, never from the committed values: those were fitted
+    on every row, the held-out family included."""
+    values = {name: math.sqrt(low * high) for name, (low, high) in FITTED.items()}
     ranges = dict(FITTED)
     best = mape(runs, strategies, dataclasses.replace(base, **values))
-    for sweep in range(2):
+    for sweep in range(3):
         for name, (low, high) in ranges.items():
             grid = [low * (high / low) ** (i / (GRID - 1)) for i in range(GRID)] + [0.0]
             for value in grid:
