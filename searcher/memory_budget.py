@@ -2,8 +2,8 @@
 
 The evaluator checks a whole plan's memory; the ILP sees one layer. So that the sharding it
 proposes for a layer type can fit, it gets the layer's share of the most loaded pipeline rank:
-usable memory less the planner's headroom and the fragmentation margin, the data-parallel buffers and the stage's non-layer
-units (embedding, head), divided by the layers the rank holds. Its memory row then counts, per
+usable memory less the planner's headroom, the fragmentation margin, the data-parallel buffers
+and the stage's non-layer units (embedding, head), divided by the layers the rank holds. Its memory row then counts, per
 rank, parameters × the state bytes each weight byte brings under the ZeRO stage (weight, gradient,
 optimizer) and saved activations × the micro-batches the first rank holds in flight (none under
 recompute: a recomputed layer keeps its input only, which no sharding of the layer changes).
