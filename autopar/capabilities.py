@@ -13,6 +13,11 @@ from typing import Callable
 from autopar.plan_schema import Strategy
 
 
+# Strategy knobs that say how other software implemented a run (`cost_models.implementation`):
+# the runtime executes each at its default only.
+IMPLEMENTATION_KNOBS = ("attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state")
+
+
 @dataclass(frozen=True)
 class TpBlock:
     """Linear weights the runtime shards together: either all R, or every input column parallel
@@ -58,6 +63,11 @@ class Capabilities:
 
     def supports(self, strategy: Strategy) -> str | None:
         """None when the runtime can execute `strategy`, else the reason it cannot."""
+        for knob in IMPLEMENTATION_KNOBS:  # priced for other software; the runtime runs its defaults only
+            value, runtime = getattr(strategy, knob), Strategy.model_fields[knob].default
+            if value != runtime:
+                return (f"{knob}={value} prices a run of other software; autopar's runtime runs {knob}={runtime} "
+                        f"(leave {knob} out of --strategy to plan a run)")
         if strategy.schedule not in self.schedules:
             return f"the runtime has no {strategy.schedule} schedule"
         if strategy.zero not in self.zero_stages:

@@ -1,8 +1,9 @@
 """What the planner knows about the hardware: GPUs, links between them, and how many of each.
 
 Clusters are presets (datasheet figures) or YAML/JSON files, either full specs or overrides of a
-preset. Link latencies are nominal placeholders until the profiler replaces them with measured
-alpha-beta fits; peak FLOP/s and bandwidths come from vendor datasheets.
+preset. Peak FLOP/s and bandwidths come from vendor datasheets, the bandwidth NCCL reaches of them
+from published nccl-tests runs, link latencies from NCCL's own tuning model; the profiler
+replaces them with measured alpha-beta fits.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class GpuSpec(_Spec):
     peak_tflops: dict[str, float]
     memory_bytes: Bytes
     hbm_bandwidth_bytes_per_s: float = Field(gt=0)
+    # Fractions of the dense peak that real kernels reach: the largest GEMMs (a shape search's
+    # best), and a fused attention kernel on the work it does. None: the cost model's fallback.
+    matmul_efficiency: float | None = Field(default=None, gt=0, le=1)
+    attention_efficiency: float | None = Field(default=None, gt=0, le=1)
     source: str = ""
 
     @field_validator("peak_tflops")
@@ -98,6 +103,14 @@ class LinkSpec(_Spec):
         return self.bandwidth_bytes_per_s * self.efficiency
 
 
+# The share of each device's usable memory (less the CUDA/NCCL reserve) the planner leaves
+# unplanned, on top of the memory model's own allocator margin: the model is not yet validated on
+# a GPU, and its target is to be within 5% of measured peak memory (issue #4), so a plan it
+# predicts to fill the device can be 5% over. Searched plans sat at 77.5-77.7 of 78.0 GiB before
+# this headroom (issue #18); now at most 74.1.
+DEFAULT_MEMORY_HEADROOM = 0.05
+
+
 class ClusterSpec(_Spec):
     """Identical nodes of identical GPUs: what the searcher partitions a model over."""
 
@@ -113,6 +126,9 @@ class ClusterSpec(_Spec):
     # presets take half. A line rate is an upper bound: what a shared file system sustains per node
     # is lower, so give a measured figure in a cluster file when you have one.
     node_storage_write_bytes_per_s: float = Field(default=50e9, gt=0, allow_inf_nan=False)
+    # Fraction of each GPU's usable memory plans leave free (`DEFAULT_MEMORY_HEADROOM`'s reason);
+    # a cluster file sets its own, e.g. `memory_headroom: 0.1`, or 0 once memory is validated.
+    memory_headroom: float = Field(default=DEFAULT_MEMORY_HEADROOM, ge=0, lt=1)
 
     @property
     def world_size(self) -> int:
@@ -130,47 +146,60 @@ _A100_PEAKS = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}  # NVI
 # NVIDIA H100 datasheet (SXM5): it lists tensor-core figures with sparsity; dense is half of those.
 _H100_PEAKS = {"fp32": 67.0, "tf32": 494.0, "bf16": 989.0, "fp16": 989.0, "fp8": 1979.0}
 
+# Maximum achievable matmul FLOP/s, bf16, found by a shape search (S. Bekman, "Machine Learning
+# Engineering", compute/accelerator/README.md, MAMF table): A100 SXM 271.2 of 312 TFLOP/s, H100
+# SXM 794.5 of 989. Fused attention on the work it does: FlashAttention-2 reaches 50-73% of the A100's
+# peak (Dao 2023, §4.1; we take 0.60) and 35% of the H100's (Shah et al., "FlashAttention-3", 2024, §1).
+_A100_KERNELS = {"matmul_efficiency": 0.869, "attention_efficiency": 0.60}
+_H100_KERNELS = {"matmul_efficiency": 0.803, "attention_efficiency": 0.35}
+_KERNEL_SOURCES = "; matmul ceiling: MAMF table (Bekman, ml-engineering); attention: FlashAttention-2/-3 papers"
+
 GPU_PRESETS: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
         # NVIDIA A100 datasheet: 40 GB HBM2 at 1,555 GB/s; 40 GiB of physical HBM.
         GpuSpec(name="A100-SXM4-40GB", peak_tflops=_A100_PEAKS, memory_bytes=40 * GiB,
-                hbm_bandwidth_bytes_per_s=1555e9, source="NVIDIA A100 datasheet"),
+                hbm_bandwidth_bytes_per_s=1555e9, **_A100_KERNELS, source="NVIDIA A100 datasheet" + _KERNEL_SOURCES),
         # NVIDIA A100 datasheet: 80 GB HBM2e at 2,039 GB/s; 80 GiB of physical HBM.
         GpuSpec(name="A100-SXM4-80GB", peak_tflops=_A100_PEAKS, memory_bytes=80 * GiB,
-                hbm_bandwidth_bytes_per_s=2039e9, source="NVIDIA A100 datasheet"),
+                hbm_bandwidth_bytes_per_s=2039e9, **_A100_KERNELS, source="NVIDIA A100 datasheet" + _KERNEL_SOURCES),
         # NVIDIA H100 datasheet: 80 GB HBM3 at 3.35 TB/s; 80 GiB of physical HBM.
         GpuSpec(name="H100-SXM5-80GB", peak_tflops=_H100_PEAKS, memory_bytes=80 * GiB,
-                hbm_bandwidth_bytes_per_s=3350e9, source="NVIDIA H100 datasheet"),
+                hbm_bandwidth_bytes_per_s=3350e9, **_H100_KERNELS, source="NVIDIA H100 datasheet" + _KERNEL_SOURCES),
         # NVIDIA H200 product brief: H100 compute, 141 GB HBM3e at 4.8 TB/s. We take 141e9 bytes,
         # the brief's decimal figure, rather than guess the GiB capacity: it can only under-state.
+        # Its kernels are the H100's (the same chip; not measured on an H200 here).
         GpuSpec(name="H200-SXM-141GB", peak_tflops=_H100_PEAKS, memory_bytes=141 * 10**9,
-                hbm_bandwidth_bytes_per_s=4800e9, source="NVIDIA H200 product brief"),
+                hbm_bandwidth_bytes_per_s=4800e9, **_H100_KERNELS, source="NVIDIA H200 product brief" + _KERNEL_SOURCES),
     )
 }
 
 # --- link presets: bandwidth per GPU, one direction ---------------------------------------------
-# Latencies are nominal assumptions (about 3 us over NVLink, 5 us per InfiniBand hop), placeholders
-# that the profiler overrides with measured alpha-beta fits.
+# Latencies are a ring step's, as NCCL's tuning model prices them for the Simple protocol large
+# messages use (NVIDIA/nccl src/graph/tuning.cc, `hwLat`): 3.4 us over NVLink, 14 us over the
+# network (NCCL 2.18-2.21); `cost_models.communication` adds NCCL's per-call base latency and the
+# tree algorithm. The profiler overrides them with measured alpha-beta fits.
 LINK_PRESETS: dict[str, LinkSpec] = {
     spec.name: spec
     for spec in (
         # A100: 600 GB/s NVLink bidirectional per GPU (NVIDIA A100 datasheet) = 300 GB/s each way.
         # nccl-tests all_reduce_perf on 8 A100-SXM4 reports a bus bandwidth of about 200-210 GB/s
         # (NVIDIA/nccl-tests issues #149: ~200 GB/s; #178: 208 GB/s): 0.70 of the line rate.
-        LinkSpec(name="nvlink3", bandwidth_bytes_per_s=300e9, latency_s=3e-6, efficiency=0.70,
+        LinkSpec(name="nvlink3", bandwidth_bytes_per_s=300e9, latency_s=3.4e-6, efficiency=0.70,
                  source="NVIDIA A100 datasheet; NCCL bus bandwidth from nccl-tests #149, #178"),
         # H100/H200: 900 GB/s NVLink bidirectional per GPU (NVIDIA H100 datasheet) = 450 GB/s each way.
         # NCCL's ring reaches about 370 GB/s of it, protocol overhead ~20% (an NCCL maintainer in
         # NVIDIA/nccl-tests issue #212): 0.82.
-        LinkSpec(name="nvlink4", bandwidth_bytes_per_s=450e9, latency_s=3e-6, efficiency=0.82,
+        LinkSpec(name="nvlink4", bandwidth_bytes_per_s=450e9, latency_s=3.4e-6, efficiency=0.82,
                  source="NVIDIA H100 datasheet; NCCL ring bus bandwidth from nccl-tests #212"),
         # DGX A100: one 200 Gb/s HDR InfiniBand adapter per GPU = 25 GB/s; all_reduce_perf over 3
         # nodes of 8 A100 with 4 HDR adapters each peaks at 96 of 100 GB/s (nccl-tests #119): 0.96.
-        LinkSpec(name="ib-hdr", bandwidth_bytes_per_s=25e9, latency_s=5e-6, efficiency=0.96,
+        LinkSpec(name="ib-hdr", bandwidth_bytes_per_s=25e9, latency_s=14e-6, efficiency=0.96,
                  source="HDR InfiniBand, 200 Gb/s per GPU; NCCL bus bandwidth from nccl-tests #119"),
-        # DGX H100/H200: one 400 Gb/s NDR InfiniBand adapter per GPU = 50 GB/s.
-        LinkSpec(name="ib-ndr", bandwidth_bytes_per_s=50e9, latency_s=5e-6, source="NDR InfiniBand, 400 Gb/s per GPU"),
+        # DGX H100/H200: one 400 Gb/s NDR InfiniBand adapter per GPU = 50 GB/s; "for NDR @ 400Gbps
+        # you should see 46-48GB/s per NIC" (an NCCL maintainer, NVIDIA/nccl-tests issue #290): 0.94.
+        LinkSpec(name="ib-ndr", bandwidth_bytes_per_s=50e9, latency_s=14e-6, efficiency=0.94,
+                 source="NDR InfiniBand, 400 Gb/s per GPU; NCCL bus bandwidth from nccl-tests #290"),
     )
 }
 

@@ -105,6 +105,14 @@ class Strategy(_Record):
     # the rest keep their activations. None: every layer does. Fewer recomputed layers trade
     # memory for time layer by layer (Megatron-LM's --recompute-num-layers, per stage here).
     recompute_layers: tuple[Annotated[int, Field(ge=0)], ...] | None = None
+    # How the step is implemented, as far as its cost goes (`cost_models.implementation`). The
+    # defaults are autopar's runtime, which runs nothing else; other values price a run of other
+    # software as it ran (a published configuration), and the runtime refuses them.
+    attention: Literal["fused", "math"] = "fused"  # math: scores materialized, as before FlashAttention
+    dropout: float = Field(default=0.0, ge=0, lt=1)  # Megatron-LM's dropout sites, priced on a graph without them
+    dp_overlap: bool = True  # data-parallel gradient reduction and ZeRO gathers overlapped with compute
+    tp_overlap: bool = False  # tensor-parallel collectives overlapped with GEMMs (needs sp)
+    optimizer_state: Literal["fp32", "bf16"] = "fp32"  # Adam moments' precision (master weights stay fp32)
 
     @model_validator(mode="after")
     def _consistent(self) -> Strategy:
@@ -118,6 +126,8 @@ class Strategy(_Record):
             raise ValueError(f"vp={self.vp} virtual stages need schedule 'interleaved', not '{self.schedule}'")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallel (sp) splits along the tp group: it needs tp > 1")
+        if self.tp_overlap and not self.sp:
+            raise ValueError("tp_overlap overlaps sequence-parallel collectives with GEMMs: it needs sp=true")
         return self
 
 

@@ -1,13 +1,8 @@
-"""Cost models: pure functions of (graph facts, hardware facts, strategy); the searcher chooses.
+"""Cost models: what a strategy costs on a cluster, as pure functions of plain data.
 
-    facts           the op graph condensed into units with tp-aware per-op facts
-    compute         roofline time per unit (Efficiency: the documented or calibrated fractions of peak)
-    communication   collective times on the cluster's links (ring formulas at NCCL bus bandwidth)
-    collectives     the ledger: which collectives a step sends, per mesh axis (what the runtime counts)
-    memory          parameters, gradients, optimizer states, activations per rank
-    recompute       per-stage recompute policies and the fewest recomputed layers that fit
-    pipeline        schedule simulation (GPipe, 1F1B, interleaved) and its closed-form estimate
-    evaluate        one strategy priced end to end: step time, memory, breakdown
-    calibration     the roofline fitted to a profile database
-    strategy        parsing and checking --strategy
+facts (the op graph condensed into pipeline units) → compute (roofline with GEMM-shape efficiency)
+and communication (NCCL's ring/tree α-β model) → stage costs → pipeline schedule → step time,
+memory and the collective ledger (`evaluate`, `collectives`); `implementation` prices other
+software's kernels and overlap (`--strategy attention=math,...`), the searcher (`autopar.searcher.candidates`)
+completes a partial strategy.
 """

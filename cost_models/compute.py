@@ -3,12 +3,23 @@
 time(op) = max(FLOPs / (peak · η_class), bytes / (HBM bandwidth · η_memory)) + launch overhead.
 
 The efficiencies are the fraction of datasheet peak that real kernels reach. Defaults and sources:
-- η_matmul = 0.80: a bf16 8192³ matmul ran at 790 TFLOP/s of the H100's 989 on the lent H100
-  (measurement quoted in issue #3/#6, 2026-11-22). Not yet re-measured on other GPUs.
-- η_attention = 0.60: FlashAttention-2 reaches 50–73% of peak forward+backward on A100
-  (Dao, "FlashAttention-2", 2023, §4.1); we take the middle of that range.
+- η_matmul: the GPU's maximum achievable matmul FLOP/s (`GpuSpec.matmul_efficiency`, measured
+  by shape search: A100 86.9%, H100 80.3% of peak), reached by large GEMMs; a GEMM smaller in
+  any dimension d runs at η_matmul · Π d/(d + d_half) over its m, n and k on one rank (tile and
+  wave quantization and the pipeline's fill leave small and skinny products far below peak;
+  NVIDIA, "Matrix Multiplication Background User's Guide"). `gemm_half_dim` is fitted under
+  cross-validation (`benchmarks/validate_published.py`). Monotone in every dimension.
+- η_attention, per FLOP as torch counts a fused attention kernel's: the full square
+  (`torch.utils.flop_counter`), of which the causal decoders autopar traces compute about half
+  (`CAUSAL_WORK_FRACTION`). A GPU's figure is on the work done (`GpuSpec.attention_efficiency`:
+  FlashAttention-2 reaches 50–73% of the A100's peak, Dao 2023 §4.1, and 35% of the H100's, Shah
+  et al., "FlashAttention-3", 2024, §1, both counting a causal kernel's FLOPs as half), so it
+  is divided by that fraction; an `Efficiency.attention` given (say calibrated from a profile of
+  real kernels) is per counted FLOP already.
 - η_memory = 0.85 and 4 µs per kernel launch: nominal until the profiler (issue #3) measures the
   HBM ceiling and launch cost on the target GPU; a profile database replaces all of these.
+- `layer_overhead_s`: a fixed time per layer and pass, fitted under cross-validation like
+  `gemm_half_dim` (0 until fitted).
 """
 
 from __future__ import annotations
@@ -18,16 +29,55 @@ from dataclasses import dataclass
 from autopar.cluster import GpuSpec
 from autopar.cost_models.facts import OpFacts, Unit
 
+# A causal kernel computes the blocks on and below the diagonal: half the square torch counts.
+CAUSAL_WORK_FRACTION = 0.5
+# Used when neither the Efficiency nor the GPU gives one (a GPU without measured figures): the
+# lent H100's bf16 8192³ matmul (790 of 989 TFLOP/s, issue #3/#6), and FlashAttention-2's A100
+# middle figure taken per counted FLOP (a cautious reading).
+FALLBACK_MATMUL = 0.80
+FALLBACK_ATTENTION = 0.60
+
 
 @dataclass(frozen=True)
 class Efficiency:
-    matmul: float = 0.80
-    attention: float = 0.60
+    matmul: float | None = None  # None: the GPU's measured ceiling
+    attention: float | None = None  # per counted FLOP; None: from the GPU's figure (see above)
     memory: float = 0.85
     launch_overhead_s: float = 4e-6
+    gemm_half_dim: float = 0.0  # a GEMM dimension this size halves η_matmul; 0: no shape penalty
+    # Fixed host-side time per layer and pass (forward, backward, recompute) and micro-batch: the
+    # framework's per-module work and the gaps between its kernels that launches alone miss.
+    layer_overhead_s: float = 0.0
+
+    def matmul_for(self, gpu: GpuSpec) -> float:
+        if self.matmul is not None:
+            return self.matmul
+        return gpu.matmul_efficiency if gpu.matmul_efficiency is not None else FALLBACK_MATMUL
+
+    def attention_for(self, gpu: GpuSpec) -> float:
+        """Per FLOP as torch counts a fused attention kernel's."""
+        if self.attention is not None:
+            return self.attention
+        if gpu.attention_efficiency is None:
+            return FALLBACK_ATTENTION
+        return gpu.attention_efficiency / CAUSAL_WORK_FRACTION
 
 
-DEFAULT_EFFICIENCY = Efficiency()
+# The fitted constants, from the fit on every published row `benchmarks/validate_published.py`
+# prints (its leave-one-family-out errors show how they carry over); the cited ones come from the GPU.
+FITTED_EFFICIENCY = Efficiency(gemm_half_dim=126.1, layer_overhead_s=2.0e-3)
+DEFAULT_EFFICIENCY = FITTED_EFFICIENCY
+
+
+def gemm_efficiency(dims: tuple[float, float, float, float], ceiling: float, half_dim: float) -> float:
+    """η of a batched GEMM (count, m, n, k) on one rank: the ceiling, lowered by every dimension
+    that is small next to `half_dim` (d/(d + half_dim) each); monotone in each dimension."""
+    if half_dim <= 0:
+        return ceiling
+    factor = 1.0
+    for d in dims[1:]:
+        factor *= d / (d + half_dim)
+    return ceiling * factor
 
 
 def op_time_s(op: OpFacts, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp: bool,
@@ -41,9 +91,20 @@ def op_time_s(op: OpFacts, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp:
     memory_time = moved / (gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
     if op.kind == "vector":
         return memory_time + efficiency.launch_overhead_s
-    class_efficiency = efficiency.attention if op.kind == "attention" else efficiency.matmul
-    compute_time = flops / (gpu.peak_flops_per_s(dtype) * class_efficiency)
+    if op.kind == "attention":
+        compute_time = flops / (gpu.peak_flops_per_s(dtype) * efficiency.attention_for(gpu))
+    else:
+        ceiling = efficiency.matmul_for(gpu)
+        class_efficiency = ceiling if op.gemm is None else gemm_efficiency(
+            op.gemm.at(batch, tp if op.tp_sharded else 1), ceiling, efficiency.gemm_half_dim)
+        compute_time = flops / (gpu.peak_flops_per_s(dtype) * class_efficiency)
     return max(compute_time, memory_time) + efficiency.launch_overhead_s
+
+
+def unit_fixed_overhead_s(unit: Unit, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """A layer's fixed host-side time per micro-batch, forward and backward together (half each):
+    the same whatever its sharding, so the intra-op ILP adds it to its objective unchanged."""
+    return 2 * efficiency.layer_overhead_s if unit.layer_type is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +120,8 @@ class UnitTime:
     backward_reduces: int
     forward_collectives: tuple[tuple[str, float], ...] = ()  # other tp collectives: (kind, bytes)
     backward_collectives: tuple[tuple[str, float], ...] = ()
+    forward_matmul_s: float = 0.0  # the GEMMs' part: what overlapped tp collectives hide behind
+    backward_matmul_s: float = 0.0
 
 
 def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp: bool,
@@ -69,9 +132,10 @@ def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp: 
 
     forward_reduce = [op.reduce_bytes_for(batch) for op in unit.forward_ops if op.reduce_bytes]
     backward_reduce = [op.reduce_bytes_for(batch) for op in unit.backward_ops if op.reduce_bytes]
+    overhead = unit_fixed_overhead_s(unit, efficiency) / 2
     return UnitTime(
-        forward_s=total(unit.forward_ops),
-        backward_s=total(unit.backward_ops),
+        forward_s=total(unit.forward_ops) + overhead,
+        backward_s=total(unit.backward_ops) + overhead,
         forward_vector_s=total(unit.forward_ops, {"vector"}),
         forward_reduce_bytes=sum(forward_reduce),
         backward_reduce_bytes=sum(backward_reduce),
@@ -79,4 +143,6 @@ def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp: 
         backward_reduces=len(backward_reduce),
         forward_collectives=tuple((kind, size * batch) for op in unit.forward_ops for kind, size in op.collectives),
         backward_collectives=tuple((kind, size * batch) for op in unit.backward_ops for kind, size in op.collectives),
+        forward_matmul_s=total(unit.forward_ops, {"matmul"}),
+        backward_matmul_s=total(unit.backward_ops, {"matmul"}),
     )

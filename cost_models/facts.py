@@ -46,9 +46,32 @@ class OpFacts:
     # reduce_bytes is per micro-batch, not per sample: a lookup without a batch dimension (a
     # position table indexed by positions) reduces the same rows whatever the batch.
     reduce_per_microbatch: bool = False
+    # A matmul's GEMM shape for one sample on one rank: (batch count, m, n, k) at tp = 1, which of
+    # the four grows with the micro-batch and which tp divides (index, or -1: none). None when the
+    # shape is not known (convolutions): the roofline then prices it at the large-GEMM efficiency.
+    gemm: GemmShape | None = None
 
     def reduce_bytes_for(self, batch: int) -> float:
         return self.reduce_bytes if self.reduce_per_microbatch else self.reduce_bytes * batch
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """(count, m, n, k) per sample: `count` independent [m, k]·[k, n] products. The dimension
+    `scaled` grows with the micro-batch (the one holding the tokens, or the batched count), the
+    others are fixed; `split` is the one tensor parallelism divides (-1 when none)."""
+
+    dims: tuple[float, float, float, float]
+    scaled: int
+    split: int = -1
+
+    def at(self, batch: int, tp: int) -> tuple[float, float, float, float]:
+        """The (count, m, n, k) one rank runs for a micro-batch of `batch` samples."""
+        dims = list(self.dims)
+        dims[self.scaled] *= batch
+        if self.split >= 0 and tp > 1:
+            dims[self.split] /= tp
+        return dims[0], dims[1], dims[2], dims[3]
 
 
 @dataclass(frozen=True)
@@ -68,8 +91,6 @@ class Unit:
     # Tied weights this unit reads but another unit owns: (owner unit, elements, tp-sharded). A
     # pipeline rank that holds this unit without the owner keeps a copy (and syncs its gradient).
     borrowed: tuple[tuple[str, int, bool], ...] = ()
-    # Memo of derived costs (keyed by their arguments): a search costs each unit thousands of times.
-    memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     def params_on_device(self, tp: int) -> float:
         """Parameters one tp rank holds: its shard of the sharded ones, all of the rest."""
@@ -119,10 +140,11 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     status = _propagate(graph, sharded, unit_of)
     per_sample = 1.0 / max(graph.batch, 1)
 
+    tokens = max(graph.batch, 1) * (graph.seq_len or 1)
     ops_by_unit: dict[str, list[OpFacts]] = {}
     for node in graph.nodes:
         ops_by_unit.setdefault(unit_of[node.name], []).append(
-            _op_facts(node, status, param_bytes, per_sample)
+            _op_facts(node, status, param_bytes, per_sample, _gemm_shape(node, status, sharded, graph.batch, tokens))
         )
     order = list(dict.fromkeys(unit_of[n.name] for n in graph.nodes if n.phase == "forward"))
     order += [name for name in ops_by_unit if name not in order]
@@ -302,7 +324,45 @@ def _leaves_block(node: OpNode, names: list[str], layer_of: dict, holds_shards) 
     return any(layer_of.get(n) != node.layer for n in names if n in layer_of and not n.startswith("param:"))
 
 
-def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sample: float) -> OpFacts:
+def _gemm_shape(node: OpNode, status: dict, sharded: set[str], batch: int, tokens: int) -> GemmShape | None:
+    """The GEMM a matmul op runs, per sample: the traced batch `batch` divided out of the dimension
+    that holds it (the tokens, `tokens` = batch × sequence, for a 2-D product; the count for a
+    batched one), and the dimension tp splits, read off the operands' shard status as
+    `_propagate` assigns it (both operands sharded: the contraction, or a batched product's
+    count of heads; one: that operand's free dimension)."""
+    packet = _packet(node)
+    if packet not in _CONTRACTIONS or not node.flops:
+        return None
+    a, b = _CONTRACTIONS[packet]
+    if len(node.input_meta) <= b:
+        return None
+    left, right = node.input_meta[a].shape, node.input_meta[b].shape
+    names = node.input_names
+
+    def sharded_operand(i: int) -> bool:
+        name = names[i] if i < len(names) else ""
+        if name.startswith("param:"):
+            return name.removeprefix("param:") in sharded
+        return status.get(name, ("R", 0.0))[0] == "S"
+
+    pair = (sharded_operand(a), sharded_operand(b))
+    if len(left) == 2 and len(right) == 2:
+        dims = [1.0, float(left[0]), float(right[1]), float(left[1])]
+        scaled = next((i for i in (1, 3, 2) if dims[i] == tokens),
+                      next((i for i in (1, 3, 2) if dims[i] % tokens == 0), 1))
+        split = 3 if all(pair) else 1 if pair[0] else 2 if pair[1] else -1
+    elif len(left) == 3 and len(right) == 3:
+        dims = [float(left[0]), float(left[1]), float(right[2]), float(left[2])]
+        scaled = 0
+        split = 0 if all(pair) else 1 if pair[0] else 2 if pair[1] else -1
+    else:
+        return None
+    dims[scaled] /= max(batch, 1)
+    return GemmShape((dims[0], dims[1], dims[2], dims[3]), scaled, split)
+
+
+def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sample: float,
+              gemm: GemmShape | None = None) -> OpFacts:
     out, reduce_bytes = status[node.name]
     weight = float(sum(param_bytes.get(p, 0) for p in node.params))
     moved = max(node.bytes_read + node.bytes_written - weight, 0.0)
@@ -323,6 +383,7 @@ def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sampl
         activation_bytes=moved * per_sample, weight_bytes=weight, tp_sharded=sharded,
         reduce_bytes=reduce_bytes if unbatched else reduce_bytes * per_sample,
         saved_bytes=node.saved_bytes * per_sample, saved_sharded=out == "S", reduce_per_microbatch=unbatched,
+        gemm=gemm if kind == "matmul" else None,
     )
 
 

@@ -5,6 +5,21 @@ Model states per parameter (Rajbhandari et al., "ZeRO", SC'20, §3.1 and §5): m
 Adam holds a 2-byte weight, a 2-byte gradient and 12 bytes of fp32 master weight and moments;
 fp32 training holds 4 + 4 + 8. ZeRO-1 shards the optimizer states over dp, ZeRO-2 also the
 gradients, ZeRO-3 also the weights.
+
+What this model gets wrong, by what we can see without a GPU (issue #18; validation pending):
+- Sequence length: activations are the traced graph's saved tensors, linear in s with fused
+  attention (s² with `attention=math`), which matches Korthikanti et al. 2022 (32·s·h per layer and
+  sample at tp=1, 4·s·h with tp=8 and sp, vs their 34 and 4.25 with dropout masks). Missing: the
+  backward's transient gradient buffers (a few b·s·h per layer, and at the head the fp32 logits'
+  gradient, b·s·V·4/tp, beside the saved log-probabilities), so long-sequence, large-vocabulary
+  last stages are under-predicted by up to about one micro-batch's logits.
+- Tensor parallelism: the head's logits are counted vocabulary-parallel (divided by tp) on every
+  stage, as Megatron-LM runs them; autopar's runtime gathers them on a pipeline's last stage, so
+  its pp > 1, tp > 1 last stage is under-predicted by (tp−1)/tp of the logits. Without sp, the
+  replicated norm inputs are kept whole on each tp rank (counted).
+- Gradients are held at the compute precision (2 bytes); Megatron-LM accumulates them in an fp32
+  buffer (4 bytes), so its runs hold 2 bytes per parameter more than predicted here.
+- The fragmentation margin and the CUDA/NCCL reserve are nominal (below) until measured.
 """
 
 from __future__ import annotations
@@ -14,7 +29,11 @@ from dataclasses import dataclass
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); two are in flight while overlapping.
 DDP_BUCKET_BYTES = 25 * 2**20
 # Nominal allocator fragmentation margin and CUDA context + NCCL reserve, until GPU validation
-# (issue #4, item 7) measures them: a plan must leave this much of the device free.
+# (issue #4, item 7) measures them: a plan must leave this much of the device free. The margin
+# is charged on what the caching allocator churns, activations and communication buffers
+# allocated and freed every micro-batch in blocks of varying size; model states are allocated
+# once, in large long-lived blocks (FSDP2's flat shards, Megatron-LM's contiguous gradient
+# buffer), and fragment little.
 FRAGMENTATION_MARGIN = 0.05
 RESERVED_BYTES = 2 * 2**30
 
@@ -26,10 +45,13 @@ class StateBytes:
     optimizer: int  # fp32 master (mixed precision) + two Adam moments
 
 
-def state_bytes_per_param(precision: str) -> StateBytes:
+def state_bytes_per_param(precision: str, optimizer_state: str = "fp32") -> StateBytes:
+    """`optimizer_state="bf16"`: Adam's two moments in bf16 beside the fp32 master weights
+    (e.g. Megatron-Core's --exp-avg-dtype/--exp-avg-sq-dtype bf16): 4 + 2 + 2 bytes."""
+    moments = 4 if optimizer_state == "bf16" else 8
     if precision == "fp32":
-        return StateBytes(weight=4, gradient=4, optimizer=8)
-    return StateBytes(weight=2, gradient=2, optimizer=12)
+        return StateBytes(weight=4, gradient=4, optimizer=moments)
+    return StateBytes(weight=2, gradient=2, optimizer=4 + moments)
 
 
 @dataclass(frozen=True)
@@ -52,9 +74,10 @@ class MemoryBreakdown:
         }
 
 
-def model_state_bytes(params_on_device: float, precision: str, zero: int, dp: int) -> tuple[float, float, float]:
+def model_state_bytes(params_on_device: float, precision: str, zero: int, dp: int,
+                      optimizer_state: str = "fp32") -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) held by one device for its share of parameters."""
-    per = state_bytes_per_param(precision)
+    per = state_bytes_per_param(precision, optimizer_state)
     weights = params_on_device * per.weight / (dp if zero >= 3 else 1)
     gradients = params_on_device * per.gradient / (dp if zero >= 2 else 1)
     optimizer = params_on_device * per.optimizer / (dp if zero >= 1 else 1)
@@ -69,21 +92,27 @@ def device_memory(
     zero: int,
     dp: int,
     activation_bytes: float,
+    optimizer_state: str = "fp32",
 ) -> MemoryBreakdown:
-    weights, gradients, optimizer = model_state_bytes(params_on_device, precision, zero, dp)
-    per = state_bytes_per_param(precision)
+    weights, gradients, optimizer = model_state_bytes(params_on_device, precision, zero, dp, optimizer_state)
+    per = state_bytes_per_param(precision, optimizer_state)
     if zero >= 3:  # the gathered layer in use and the next one being prefetched
         buffers = 2 * largest_unit_params * per.weight
     elif dp > 1:
         buffers = 2 * DDP_BUCKET_BYTES
     else:
         buffers = 0.0
-    subtotal = weights + gradients + optimizer + activation_bytes + buffers
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
-        buffers=buffers, margin=FRAGMENTATION_MARGIN * subtotal,
+        buffers=buffers, margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers),
     )
 
 
 def usable_bytes(memory_bytes: float) -> float:
     return memory_bytes - RESERVED_BYTES
+
+
+def planning_capacity_bytes(memory_bytes: float, headroom: float) -> float:
+    """What a plan's predicted peak may reach: usable memory less the planner's headroom, a
+    fraction of it (`autopar.cluster.DEFAULT_MEMORY_HEADROOM`)."""
+    return usable_bytes(memory_bytes) * (1 - headroom)

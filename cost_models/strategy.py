@@ -7,13 +7,19 @@ from typing import Any
 from autopar.errors import AutoparError
 from autopar.plan_schema import Strategy
 
-STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "schedule", "vp")
+STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "schedule", "vp",
+                 "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state")
+_SWITCHES = ("sp", "dp_overlap", "tp_overlap")
 _RESERVED = {"cp": "context parallel (cp) is reserved for a later release: leave it out"}
-_CHOICES = {"recompute": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved")}
+_CHOICES = {"recompute": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved"),
+            "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16")}
 
 
 def parse_strategy(text: str | None) -> dict[str, Any]:
-    """`"tp=8,pp=12,recompute=full"` → the fixed keys; keys left out are for the planner to choose."""
+    """`"tp=8,pp=12,recompute=full"` → the fixed keys; keys left out are for the planner to choose.
+    The implementation keys (attention, dropout, dp_overlap, tp_overlap, optimizer_state;
+    `cost_models.implementation`) price a run of other software as it ran; left out, they are
+    autopar's runtime."""
     fixed: dict[str, Any] = {}
     for item in (text or "").split(","):
         item = item.strip()
@@ -33,10 +39,18 @@ def parse_strategy(text: str | None) -> dict[str, Any]:
 
 
 def _value(key: str, value: str) -> Any:
-    if key == "sp":
+    if key in _SWITCHES:
         if value.lower() not in ("true", "false", "1", "0", "on", "off"):
-            raise AutoparError(f"--strategy sp={value}: use sp=true or sp=false")
+            raise AutoparError(f"--strategy {key}={value}: use {key}=true or {key}=false")
         return value.lower() in ("true", "1", "on")
+    if key == "dropout":
+        try:
+            probability = float(value)
+        except ValueError:
+            probability = -1.0
+        if not 0 <= probability < 1:
+            raise AutoparError(f"--strategy dropout={value}: give a probability in [0, 1), e.g. dropout=0.1")
+        return probability
     if key == "recompute_layers":
         return _layer_counts(value)
     if key in _CHOICES:

@@ -21,6 +21,8 @@ from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.evaluate import Evaluation, evaluate, partition, with_fewest_recomputed_layers
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.collectives import head_vocab
+from autopar.cost_models.implementation import RUNTIME_PROFILE, as_run, profile_of
+from autopar.cost_models.stage_costs import CostCache
 from autopar.cost_models.strategy import check_fixed_degrees, check_strategy
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
@@ -40,8 +42,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> Iterator[Strategy]:
+    """Every strategy with the fixed keys; the implementation profile is the fixed one or the
+    runtime's (never enumerated: the searcher chooses only what the runtime runs)."""
     def choices(key: str, options) -> list:
         return [fixed[key]] if key in fixed else list(options)
+
+    profile = profile_of(fixed)
 
     for tp, pp in product(choices("tp", _divisors(world_size)), choices("pp", _divisors(world_size))):
         if world_size % (tp * pp):
@@ -69,7 +75,7 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
                 try:
                     yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
                                    num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
-                                   recompute_layers=counts)
+                                   recompute_layers=counts, **profile)
                 except ValueError:
                     continue
 
@@ -77,20 +83,25 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
 def quick_evaluations(
     facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *, layers: int,
     efficiency: Efficiency = DEFAULT_EFFICIENCY, supports: Callable[[Strategy], str | None] | None = None,
-    overlap_grad_sync: bool = True,
+    overlap_grad_sync: bool = True, cache: CostCache | None = None,
 ) -> tuple[list[Evaluation], int, dict[str, int]]:
     """Every valid completion of `fixed`, costed with the closed-form pipeline estimate.
 
-    `supports(strategy)` may veto a completion with a reason (the runtime's capability table).
+    `supports(strategy)` may veto a completion with a reason (the runtime's capability table); it
+    sees the strategy under the runtime's implementation profile, since a profile the user fixed
+    is a what-if price, not a choice (the runtime refuses it when asked to run it).
     Returns (evaluations, completions tried, rejection reason → count); raises when none is valid.
+    `cache`: the caller's, shared by these evaluations (a fresh one if None).
     """
+    cache = cache if cache is not None else CostCache()
+    facts = priced_as_run(facts, fixed)
     check_fixed_degrees(fixed, cluster.world_size)
     rejected: dict[str, int] = {}
     quick: list[Evaluation] = []
     count = 0
     for strategy in completions(fixed, cluster.world_size, global_batch):
         count += 1
-        reason = supports(strategy) if supports is not None else None
+        reason = supports(strategy.model_copy(update=RUNTIME_PROFILE)) if supports is not None else None
         if reason is None:
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
@@ -101,7 +112,7 @@ def quick_evaluations(
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
         quick.append(evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
-                                     overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed)))
+                                     overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache))
     if not quick:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
@@ -128,11 +139,15 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
             overlap_grad_sync: bool = True) -> WhatIf:
     """`overlap_grad_sync`: see `evaluate` (False prices Megatron-LM 2021's published runs)."""
     efficiency = efficiency or DEFAULT_EFFICIENCY
+    facts = priced_as_run(facts, fixed)
+    cache = CostCache()
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
-                                               efficiency=efficiency, overlap_grad_sync=overlap_grad_sync)
+                                               efficiency=efficiency, overlap_grad_sync=overlap_grad_sync,
+                                               cache=cache)
     quick.sort(key=lambda e: (not e.fits, e.step_time_s))
     ranked = [evaluate_fitted(facts, cluster, unfitted(e.strategy, fixed), global_batch, exact=True,
-                              efficiency=efficiency, overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed))
+                              efficiency=efficiency, overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed),
+                              cache=cache)
               for e in quick[:top_k]]
     ranked.sort(key=lambda e: (not e.fits, e.step_time_s))
     best = ranked[0] if ranked[0].fits else None
@@ -141,18 +156,25 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
 
 def evaluate_fitted(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, global_batch: int, *,
                     exact: bool, efficiency: Efficiency = DEFAULT_EFFICIENCY,
-                    overlap_grad_sync: bool = True, fit: bool = True) -> Evaluation:
+                    overlap_grad_sync: bool = True, fit: bool = True, cache: CostCache | None = None) -> Evaluation:
     """`evaluate` on the even layer split, Megatron's head; with `fit`, a strategy that recomputes
     every layer comes back recomputing only the layers each stage needs to fit
     (`with_fewest_recomputed_layers`)."""
     stages = partition(facts, strategy.pp * strategy.vp)
+    cache = cache if cache is not None else CostCache()
 
     def run(trial: Strategy) -> Evaluation:
         return evaluate(facts, cluster, trial, global_batch, exact=exact, efficiency=efficiency, stages=stages,
-                        vocab=head_vocab(facts, trial), overlap_grad_sync=overlap_grad_sync)
+                        vocab=head_vocab(facts, trial), overlap_grad_sync=overlap_grad_sync, cache=cache)
 
     evaluation = run(strategy)
     return with_fewest_recomputed_layers(evaluation, stages, run) if fit else evaluation
+
+
+def priced_as_run(facts: ModelFacts, fixed: dict[str, Any]) -> ModelFacts:
+    """The facts as the fixed implementation profile runs them (`implementation.as_run`)."""
+    profile = profile_of(fixed)
+    return as_run(facts, profile["attention"], profile["dropout"])
 
 
 def fit_recompute(fixed: dict[str, Any]) -> bool:

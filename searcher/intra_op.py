@@ -65,7 +65,7 @@ from autopar.capabilities import TpRules
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph, OpNode, TensorMeta
 from autopar.cost_models.communication import collective_time_s, group_layout
-from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, op_time_s
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, op_time_s, unit_fixed_overhead_s
 from autopar.cost_models.facts import OpFacts, Unit
 from autopar.searcher.intra_op_rules import equal, forbidden
 from autopar.searcher.intra_op_strategies import (P, R, S, gradient_tensors, input_names, op_strategies, shard_dim, shardable,
@@ -120,6 +120,7 @@ class UnitProblem:
                  efficiency: Efficiency = DEFAULT_EFFICIENCY, param_state_multiplier: float = 1.0,
                  activation_multiplier: float = 1.0) -> None:
         self.unit, self.tp, self.batch, self.cluster = unit, tp, batch, cluster
+        self.efficiency = efficiency
         self.activation_multiplier = activation_multiplier
         self.layout = group_layout(tp, 1, cluster.gpus_per_node)
         self.by_name = {n.name: n for n in graph.nodes}
@@ -449,7 +450,7 @@ def solve_unit(unit: Unit, graph: OpGraph, *, tp: int, batch: int, cluster: Clus
     started = time.perf_counter()
     if tp <= 1:
         total = sum(op_time_s(op, cluster.gpu, dtype, batch=batch, tp=1, sp=False, efficiency=efficiency)
-                    for op in unit.ops)
+                    for op in unit.ops) + unit_fixed_overhead_s(unit, efficiency)
         return LayerSharding(unit.ops, unit, {op.name: R for op in unit.ops}, {}, {}, {}, total, 0.0, 0.0, 0, 0,
                              time.perf_counter() - started, "trivial")
     problem = UnitProblem(unit, graph, tp, batch, cluster, dtype, efficiency, param_state_multiplier,
@@ -502,5 +503,6 @@ def _result(problem: UnitProblem, choice: list[int], status: str, size: tuple, s
     unit = dataclasses.replace(problem.unit, ops=tuple(ops), sharded_params=min(sharded, problem.unit.params))
     return LayerSharding(tuple(ops), unit, op_placements, op_strategies, params,
                          {k[9:]: v for k, v in chosen.items() if k.startswith("boundary:")},
-                         problem.cost(choice), problem.memory(choice), problem.memory(choice, parameters_only=True),
+                         problem.cost(choice) + unit_fixed_overhead_s(problem.unit, problem.efficiency),
+                         problem.memory(choice), problem.memory(choice, parameters_only=True),
                          *size, solve_s, status)

@@ -2,8 +2,8 @@
 
 The evaluator checks a whole plan's memory; the ILP sees one layer. So that the sharding it
 proposes for a layer type can fit, it gets the layer's share of the most loaded pipeline rank:
-usable memory less the fragmentation margin, the data-parallel buffers and the stage's non-layer
-units (embedding, head), divided by the layers the rank holds. Its memory row then counts, per
+usable memory less the planner's headroom, the fragmentation margin, the data-parallel buffers
+and the stage's non-layer units (embedding, head), divided by the layers the rank holds. Its memory row then counts, per
 rank, parameters × the state bytes each weight byte brings under the ZeRO stage (weight, gradient,
 optimizer) and saved activations × the micro-batches the first rank holds in flight (none under
 recompute: a recomputed layer keeps its input only, which no sharding of the layer changes).
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from autopar.cluster import ClusterSpec
 from autopar.plan_schema import Strategy
 from autopar.cost_models.facts import ModelFacts
-from autopar.cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, model_state_bytes, usable_bytes
+from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, model_state_bytes,
+                                        planning_capacity_bytes)
 from autopar.cost_models.pipeline import estimate
 from autopar.cost_models.strategy import even_stage_layers
 
@@ -40,7 +41,7 @@ def layer_budget(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, we
     per_rank = max(sum(sizes[i] for i in range(rank, stages, s.pp)) for rank in range(s.pp))
     others = max(sum(u.params_on_device(s.tp) for u in facts.units if u.layer_type is None) * state, 0.0)
     buffers = 2 * DDP_BUCKET_BYTES if s.dp > 1 and s.zero < 3 else 0.0
-    capacity = usable_bytes(cluster.gpu.memory_bytes) / (1 + FRAGMENTATION_MARGIN)
+    capacity = planning_capacity_bytes(cluster.gpu.memory_bytes, cluster.memory_headroom) / (1 + FRAGMENTATION_MARGIN)
     held = 0.0
     if s.recompute == "none":
         ones = [1.0] * stages

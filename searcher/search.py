@@ -34,9 +34,12 @@ from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as eve
                                   with_fewest_recomputed_layers)
 from autopar.cost_models.collectives import placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
-from autopar.cost_models.memory import model_state_bytes, usable_bytes
 from autopar.cost_models.collectives import head_vocab
-from autopar.searcher.candidates import fit_recompute, quick_evaluations, unfitted
+from autopar.cost_models.implementation import is_runtime_profile
+from autopar.cost_models.memory import model_state_bytes, planning_capacity_bytes
+from autopar.cost_models.stage_costs import CostCache
+from autopar.cost_models.strategy import check_strategy
+from autopar.searcher.candidates import fit_recompute, priced_as_run, quick_evaluations, unfitted
 from autopar.searcher.inter_op import UnitCost, partition as dp_partition
 from autopar.searcher.memory_budget import LayerBudget, layer_budget
 from autopar.searcher.why_not import WhyNot, why_not_rows
@@ -86,17 +89,22 @@ def search(
     started = time.perf_counter()
     fixed = dict(fixed or {})
     layers = layers if layers is not None else max(len(facts.layer_units), 1)
+    # A fixed implementation profile prices other software as it ran: its facts as that software
+    # runs them, and Megatron's layout only (the ILP's placements are for autopar's runtime).
+    facts = priced_as_run(facts, fixed)
+    use_ilp = use_ilp and is_runtime_profile(fixed)
     capabilities = _megatron_checked(capabilities, graph, facts)
+    cache = CostCache()  # unit costs shared by every evaluation of this search
     quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
-                                               efficiency=efficiency, supports=capabilities.supports)
+                                               efficiency=efficiency, supports=capabilities.supports, cache=cache)
     quick.sort(key=_rank_key)
 
-    refiner = Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities)
+    refiner = Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities, cache)
     ranked = [refiner.refine(e.strategy) for e in quick[:REFINE_TOP]]
     ranked.sort(key=lambda c: _rank_key(c.evaluation))
     best = ranked[0] if ranked[0].evaluation.fits else None
     why_not = why_not_rows(ranked, quick, facts, cluster, global_batch, efficiency, best, fixed=fixed,
-                           layers=layers, runners_up=top_k - 1, supports=capabilities.supports)
+                           layers=layers, runners_up=top_k - 1, supports=capabilities.supports, cache=cache)
     return SearchResult(
         best=best, ranked=ranked[:top_k], why_not=why_not, candidates=count, rejected=rejected,
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,
@@ -129,8 +137,10 @@ def _rank_key(evaluation: Evaluation) -> tuple:
 class Refiner:
     """Intra-op ILP per distinct unit (cached: layer instances share one solve) and the inter-op DP."""
 
-    def __init__(self, graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities) -> None:
+    def __init__(self, graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities,
+                 cost_cache: CostCache | None = None) -> None:
         self.graph, self.facts, self.cluster = graph, facts, cluster
+        self.cost_cache = cost_cache if cost_cache is not None else CostCache()
         self.capabilities = capabilities
         self.ilp_refused = 0
         self.fixed = fixed
@@ -260,7 +270,7 @@ class Refiner:
         def evaluated(stages: list[list[Unit]]) -> Evaluation:
             def run(trial: Strategy) -> Evaluation:
                 return evaluate(facts, self.cluster, trial, self.global_batch, efficiency=self.efficiency,
-                                stages=stages, vocab=vocab, recompute_repeats=repeats)
+                                stages=stages, vocab=vocab, recompute_repeats=repeats, cache=self.cost_cache)
             return with_fewest_recomputed_layers(run(strategy), stages, run) if fit else run(strategy)
 
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
@@ -291,17 +301,18 @@ class Refiner:
                         comm += count * collective_time_s("all_reduce", total / count, tp_layout, self.cluster)
             recompute = t.forward_s if (s.recompute == "full" and unit.layer_type) else 0.0
             policy = s.recompute if unit.layer_type else "none"
-            full = unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, "none")
+            full = unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, "none", self.cost_cache)
             params = unit.params_on_device(s.tp)
             costs.append(UnitCost(
                 time_s=t.forward_s + t.backward_s + comm + recompute,
                 state_bytes=params * state,
-                activation_bytes=unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, policy),
+                activation_bytes=unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, policy, self.cost_cache),
                 transient_bytes=full if policy != "none" else 0.0,
             ))
         bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,
                               schedule="gpipe" if s.schedule == "gpipe" else "1f1b",
-                              memory_capacity_bytes=usable_bytes(self.cluster.gpu.memory_bytes) / 1.05)
+                              memory_capacity_bytes=planning_capacity_bytes(
+                                  self.cluster.gpu.memory_bytes, self.cluster.memory_headroom) / 1.05)
         if bounds is None:
             return None
         return [list(facts.units[a:b]) for a, b in bounds]

@@ -64,7 +64,7 @@ def test_datasheet_figures():
     assert a100_80.intra_node.effective_bandwidth_bytes_per_s == pytest.approx(210e9)
     assert a100_80.inter_node.effective_bandwidth_bytes_per_s == pytest.approx(24e9)
     assert h100.intra_node.effective_bandwidth_bytes_per_s == pytest.approx(369e9)
-    assert h100.inter_node.effective_bandwidth_bytes_per_s == 50e9  # no published figure: the line rate
+    assert h100.inter_node.effective_bandwidth_bytes_per_s == pytest.approx(47e9)  # 46-48 GB/s, nccl-tests #290
 
     a100_40 = load_cluster("dgx-a100-40gb")
     assert a100_40.gpu.memory_bytes == 42949672960

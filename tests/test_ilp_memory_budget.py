@@ -32,8 +32,9 @@ def layer_weights(proposed):
 
 
 def cluster_with_layer_budget(facts, budget_bytes):
-    """A one-node cluster whose per-layer budget under STRATEGY is `budget_bytes`."""
-    reference = load_cluster("dgx-h100", gpus=4)
+    """A one-node cluster whose per-layer budget under STRATEGY is `budget_bytes` (no planner
+    headroom: the budget is what the layer may use)."""
+    reference = load_cluster("dgx-h100", gpus=4).model_copy(update={"memory_headroom": 0.0})
     ref = layer_budget(facts, reference, STRATEGY, 2)
     layers_per_rank = len(facts.layer_units)
     fixed_costs = usable_bytes(reference.gpu.memory_bytes) / (1 + FRAGMENTATION_MARGIN) - ref.bytes * layers_per_rank

@@ -74,8 +74,8 @@ def test_a_bias_never_splits_while_its_weight_is_replicated():
     layer = facts.units[facts.layer_units[0]]
     rules = capabilities_for(module).tp_rules
 
-    def solve(tp_rules):
-        return solve_unit(layer, graph, tp=2, batch=8, cluster=CLUSTER, dtype=facts.precision,
+    def solve(tp_rules):  # tp=4, 32 samples: where the unrestricted ILP splits a bias under issue #18's costs
+        return solve_unit(layer, graph, tp=4, batch=32, cluster=CLUSTER, dtype=facts.precision,
                           tp_rules=tp_rules).param_placements
 
     def split_biases(placements):

@@ -32,8 +32,9 @@ def strategy(**changes):
 
 
 def with_memory(capacity_bytes: float):
+    """A cluster whose plans may use exactly `capacity_bytes` (no planner headroom on top)."""
     gpu = CLUSTER.gpu.model_copy(update={"memory_bytes": int(capacity_bytes + RESERVED_BYTES)})
-    return CLUSTER.model_copy(update={"gpu": gpu})
+    return CLUSTER.model_copy(update={"gpu": gpu, "memory_headroom": 0.0})
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
@@ -143,8 +144,9 @@ def test_recompute_layers_in_strategy_text_and_rules():
 @pytest.mark.parametrize("changes, tolerance", [
     (dict(), 1e-9), (dict(recompute="selective"), 1e-9), (dict(schedule="gpipe", num_microbatches=8), 1e-9),
     # interleaved: a rank's chunks hold different numbers of micro-batches over time, so the linear
-    # memory estimate is close, not exact, and which chunk recomputes moves the critical path
-    (dict(pp=2, dp=4, num_microbatches=4, schedule="interleaved", vp=2), 5e-3)])
+    # memory estimate is close, not exact, and which chunk recomputes moves the critical path (more
+    # so since issue #18's fixed per-layer overhead makes a recomputed layer's pass weigh more: 2%)
+    (dict(pp=2, dp=4, num_microbatches=4, schedule="interleaved", vp=2), 2e-2)])
 def test_fitted_counts_are_the_fastest_of_every_count_vector(traced, changes, tolerance):
     """Brute force over every per-stage count vector: none that fits is faster than the fitted one
     (1F1B and GPipe); within `tolerance` of the fastest (interleaved)."""

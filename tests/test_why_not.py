@@ -67,7 +67,8 @@ def test_each_row_says_why_it_loses_in_numbers(batch_24):
         if row.label == "runner-up":  # same batch: the slowdown is the step-time ratio
             candidate = next(c for c in batch_24.ranked if c.strategy == row.strategy)
             assert row.slowdown == pytest.approx(candidate.evaluation.step_time_s / reference.step_time_s)
-            assert SLOWER.fullmatch(row.reason), row.reason
+            # a runner-up within 0.5% is "as fast" (the cost terms of #18 put one there on this model)
+            assert SLOWER.fullmatch(row.reason) or row.reason == "as fast (within 0.5%)", row.reason
         assert re.search(r"\d+\.\d\d× (slower|faster)|needs \d+\.\d GiB|as fast", row.reason), row.reason
         assert "invalid" not in row.reason
 

@@ -55,7 +55,8 @@ def evaluation_report(candidate: Any) -> EvaluationReport:
             peak_memory_bytes=e.peak_memory_bytes,
             peak_memory_bytes_per_stage=[m.total_bytes for m in e.memory],
             memory_breakdown_bytes=[MemoryParts(**m.as_dict()) for m in e.memory],
-            breakdown=Breakdown(**e.breakdown), compute_s_per_stage=list(e.rank_compute_s)),
+            breakdown=Breakdown(**e.breakdown), compute_s_per_stage=list(e.rank_compute_s),
+            memory_headroom_bytes=e.headroom_bytes),
         stages=[StageRow(index=st.index, rank=st.rank, units=list(st.units), forward_s=st.forward_s,
                          backward_s=st.backward_s, recomputed_layers=st.recomputed_layers, layers=count)
                 for st, count in zip(e.stages, layers)],
@@ -71,7 +72,7 @@ def mfu_basis(cluster: ClusterSpec, precision: str | None) -> MfuBasis | None:
         peak = gpu.peak_flops_per_s(precision)
     except AutoparError:
         return None
-    source = gpu.source or "the cluster file"
+    source = (gpu.source or "the cluster file").split(";")[0]  # the peak's source (kernel figures follow it)
     return MfuBasis(gpu=gpu.name, dtype=precision, peak_tflops=peak / 1e12, source=source,
                     nominal="nominal" in source.lower() or "placeholder" in source.lower())
 

@@ -87,6 +87,7 @@ class Predicted(_Part):
     memory_breakdown_bytes: list[MemoryParts]  # per pipeline rank
     breakdown: Breakdown
     compute_s_per_stage: list[float] = []  # per pipeline rank: one step's compute, no communication
+    memory_headroom_bytes: float = 0.0  # left free beyond the capacity a plan may use (cluster memory_headroom)
 
 
 class StageRow(_Part):

@@ -72,6 +72,7 @@ def _prediction(report: Report) -> str:
         f"per GPU          {p.tflops_per_gpu:.1f} TFLOP/s of model FLOPs, {mfu_label(report)} {p.mfu:.1%}",
         f"                 {mfu_text(report.mfu_basis)}",
         f"peak memory      {p.peak_memory_bytes / GiB:.1f} GiB of {report.capacity_bytes / GiB:.1f} GiB usable{where}"
+        + (f", {p.memory_headroom_bytes / GiB:.1f} GiB more kept free (headroom)" if p.memory_headroom_bytes else "")
         + ("" if report.fits else "   ** DOES NOT FIT **"),
     ])
 

@@ -1,0 +1,243 @@
+"""What each pipeline stage costs per micro-batch: its units' compute, tp communication, recompute
+and saved activations, summed under the strategy's recompute policy per layer.
+
+The first named step of `evaluate`: pure functions of (facts, cluster, strategy), with a
+`CostCache` the caller owns so that a search pricing thousands of strategies on one model derives
+each unit's costs once per distinct argument set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.cluster import ClusterSpec
+from autopar.plan_schema import Strategy
+from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
+                                             vocab_parallel_head_collectives)
+from autopar.cost_models.communication import GroupLayout, collective_time_s
+from autopar.cost_models.compute import Efficiency, UnitTime, unit_time
+from autopar.cost_models.facts import ModelFacts, Unit
+from autopar.cost_models.memory import state_bytes_per_param
+from autopar.cost_models.recompute import stage_policies
+
+
+class CostCache:
+    """Per-unit derived costs, keyed by the unit and the arguments they depend on. Owned by the
+    caller (one per model being priced): nothing is stored on the facts. Each entry holds its
+    unit, so a key's `id` is never reused by another unit while the entry lives."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[Unit, Any]] = {}
+        self._tokens: dict[tuple, tuple[str, int]] = {}
+
+    def get(self, unit: Unit, key: tuple, compute: Callable[[], Any]) -> Any:
+        full_key = (id(unit), *key)
+        hit = self._entries.get(full_key)
+        if hit is not None and hit[0] is unit:
+            return hit[1]
+        value = compute()
+        self._entries[full_key] = (unit, value)
+        return value
+
+    def token(self, key: tuple) -> tuple[str, int]:
+        """A cheap stand-in for a key whose parts (pydantic links, dataclasses) hash slowly."""
+        return self._tokens.setdefault(key, ("token", len(self._tokens)))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    index: int  # virtual stage
+    rank: int  # pipeline rank holding it
+    units: tuple[str, ...]
+    forward_s: float  # one micro-batch, communication inside included
+    backward_s: float
+    activation_bytes: float  # one micro-batch's saved activations
+    transient_bytes: float  # what recompute rebuilds for the layer being differentiated: once, not per micro-batch
+    recomputed_layers: int = 0
+
+
+@dataclass(frozen=True)
+class UnitPart:
+    """What one unit adds to its stage per micro-batch under one recompute policy."""
+
+    forward_s: float
+    backward_s: float
+    forward_comm_s: float
+    backward_comm_s: float
+    recompute_s: float  # the repeated forward (and its collectives) before the backward
+    transient_bytes: float  # the activations recompute rebuilds while this unit is differentiated
+    activation_bytes: float  # kept from forward to backward
+    params_on_device: float
+
+
+@dataclass(frozen=True)
+class StagePrices:
+    """Every stage's cost, and what each pipeline rank holds."""
+
+    stages: tuple[StageCost, ...]
+    compute_s: tuple[float, ...]  # per stage and micro-batch: forward + backward, no communication
+    recompute_s: tuple[float, ...]
+    tp_comm_s: tuple[float, ...]  # tp and ZeRO-3 communication inside the passes
+    rank_params: tuple[float, ...]  # per pipeline rank: parameters held (tp-local, tied copies included)
+    rank_largest_unit_params: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """The arguments every step of one evaluation shares."""
+
+    facts: ModelFacts
+    cluster: ClusterSpec
+    strategy: Strategy
+    efficiency: Efficiency
+    cache: CostCache
+    tp_layout: GroupLayout
+    dp_layout: GroupLayout
+    vocab: int | None = None
+    recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None
+
+    def timed(self, unit: Unit) -> UnitTime:
+        s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
+        key = self.cache.token(("time", gpu.name, dtype, s.microbatch, s.tp, s.sp, self.efficiency))
+        return self.cache.get(unit, (key,), lambda: unit_time(unit, gpu, dtype, batch=s.microbatch, tp=s.tp,
+                                                              sp=s.sp, efficiency=self.efficiency))
+
+    def tp_time_s(self, kind: str, size: float) -> float:
+        return collective_time_s(kind, size, self.tp_layout, self.cluster)
+
+
+def unit_activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
+                          cache: CostCache | None = None) -> float:
+    """Bytes a unit keeps from forward to backward for one micro-batch on one tp rank."""
+    if cache is None:
+        return _activation_bytes(unit, batch, tp, sp, recompute)
+    return cache.get(unit, ("activations", batch, tp, sp, recompute),
+                     lambda: _activation_bytes(unit, batch, tp, sp, recompute))
+
+
+def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str) -> float:
+    if recompute == "full":
+        return unit.input_bytes * batch / (tp if sp else 1)
+    total = 0.0
+    for op in unit.forward_ops:
+        if not op.saved_bytes:
+            continue
+        if recompute == "selective" and op.kind == "vector":
+            continue
+        total += op.saved_bytes * batch / (tp if (op.saved_sharded or sp) else 1)
+    if recompute == "selective":
+        total += unit.input_bytes * batch / (tp if sp else 1)
+    return total
+
+
+def unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
+    """A unit's times and bytes under `policy`; cached unless per-plan `recompute_repeats` apply."""
+    if pricing.recompute_repeats is not None:
+        return _unit_part(pricing, unit, policy)
+    s, cluster = pricing.strategy, pricing.cluster
+    key = pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.tp, s.sp, policy,
+                               s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
+                               cluster.inter_node))
+    return pricing.cache.get(unit, (key,), lambda: _unit_part(pricing, unit, policy))
+
+
+def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,
+                      others: tuple[tuple[str, float], ...] = (), matmul_s: float = 0.0) -> float:
+    """The tp collectives of a unit's pass, exposed: all of them, or with `tp_overlap` what the
+    pass's GEMMs cannot hide. Overlap splits each collective into tp chunks pipelined with the
+    GEMM's own (Transformer Engine's userbuffers; Wang et al., "Overlap Communication with
+    Dependent Computation via Decomposition", ASPLOS'23), so one chunk's transfer stays exposed."""
+    s = pricing.strategy
+    if s.tp == 1:
+        return 0.0
+    reduces = count * pricing.tp_time_s("all_reduce", total_bytes / count) if count else 0.0
+    comm = reduces + sum(pricing.tp_time_s(kind, size) for kind, size in others)
+    if not s.tp_overlap or comm == 0:
+        return comm
+    return max(comm - matmul_s, comm / s.tp)
+
+
+def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
+    s, cache = pricing.strategy, pricing.cache
+    b = s.microbatch
+    t = pricing.timed(unit)
+    full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache)
+    recompute_s = transient = 0.0
+    if policy == "full":
+        if s.tp == 1:
+            repeated = []
+        elif pricing.recompute_repeats is None:
+            repeated = recomputed_reductions(unit, b, s.sp)
+        else:
+            repeated = [(kind, size * b, 1) for kind, size in pricing.recompute_repeats.get(unit.name, ())]
+        recompute_s = t.forward_s + sum(times * pricing.tp_time_s(kind, size) for kind, size, times in repeated)
+        transient = full
+    elif policy == "selective":
+        recompute_s = t.forward_vector_s
+        transient = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective", cache)
+    return UnitPart(
+        forward_s=t.forward_s, backward_s=t.backward_s,
+        forward_comm_s=_tp_reduce_time_s(pricing, t.forward_reduce_bytes, t.forward_reduces, t.forward_collectives,
+                                         t.forward_matmul_s),
+        backward_comm_s=_tp_reduce_time_s(pricing, t.backward_reduce_bytes, t.backward_reduces,
+                                          t.backward_collectives, t.backward_matmul_s),
+        recompute_s=recompute_s, transient_bytes=transient,
+        activation_bytes=unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache),
+        params_on_device=unit.params_on_device(s.tp))
+
+
+def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], forward_s: float, backward_s: float
+                     ) -> tuple[float, float]:
+    """ZeRO-3's per-micro-batch weight gathers (and gradient scatters) left after overlapping them
+    with the stage's compute: at least the first layer's gather is exposed; all of them without
+    `dp_overlap` (no prefetch)."""
+    s = pricing.strategy
+    if s.zero < 3 or s.dp == 1:
+        return 0.0, 0.0
+    per = state_bytes_per_param(pricing.facts.precision, s.optimizer_state)
+    stage_weight_bytes = sum(u.params_on_device(s.tp) for u in units) * per.weight
+    gather = collective_time_s("all_gather", stage_weight_bytes, pricing.dp_layout, pricing.cluster)
+    scatter = collective_time_s("reduce_scatter", stage_weight_bytes / per.weight * GRADIENT_REDUCE_BYTES,
+                                pricing.dp_layout, pricing.cluster)
+    if not s.dp_overlap:
+        return gather, gather + scatter
+    first = gather / max(len(units), 1)
+    return max(gather - forward_s, first), max(gather + scatter - backward_s, first)
+
+
+def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> StagePrices:
+    """Each (virtual) stage's forward and backward pass for one micro-batch, and each rank's holdings."""
+    s = pricing.strategy
+    stage_costs: list[StageCost] = []
+    compute, recompute, tp_comm = [], [], []
+    rank_params = [0.0] * s.pp
+    rank_largest = [0.0] * s.pp
+    for index, units in enumerate(stages_units):
+        rank = index % s.pp
+        policies = stage_policies(units, s, index)
+        parts = [unit_part(pricing, unit, policy) for unit, policy in zip(units, policies)]
+        forward = sum(p.forward_s for p in parts)
+        backward = sum(p.backward_s for p in parts)
+        forward_comm = sum(p.forward_comm_s for p in parts)
+        backward_comm = sum(p.backward_comm_s for p in parts)
+        recompute_extra = sum(p.recompute_s for p in parts)
+        for part in parts:
+            rank_params[rank] += part.params_on_device
+            rank_largest[rank] = max(rank_largest[rank], part.params_on_device)
+        if pricing.vocab and s.tp > 1 and index == len(stages_units) - 1:
+            forward_comm += sum(times * pricing.tp_time_s(kind, size) for kind, size, times in
+                                vocab_parallel_head_collectives(s, pricing.facts.precision, pricing.facts.seq_len,
+                                                                pricing.vocab))
+        zero3_forward, zero3_backward = _zero3_exposed_s(pricing, units, forward, backward)
+        stage_costs.append(StageCost(
+            index, rank, tuple(u.name for u in units), forward + forward_comm + zero3_forward,
+            backward + backward_comm + recompute_extra + zero3_backward,
+            sum(p.activation_bytes for p in parts), max((p.transient_bytes for p in parts), default=0.0),
+            sum(policy != "none" for policy in policies)))
+        compute.append(forward + backward)
+        recompute.append(recompute_extra)
+        tp_comm.append(forward_comm + backward_comm + zero3_forward + zero3_backward)
+    return StagePrices(tuple(stage_costs), tuple(compute), tuple(recompute), tuple(tp_comm), tuple(rank_params),
+                       tuple(rank_largest))
