@@ -7,6 +7,7 @@ every plan in turn on the same process group and writes its losses and gathered 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import socket
 import tempfile
@@ -52,6 +53,7 @@ def plan_for(module, example_inputs, loss_fn, *, name: str, seq_len: int, heads:
     from autopar.cluster import load_cluster
     from autopar.graph import trace
     from autopar.cost_models.facts import model_facts
+    from autopar.runtime.pipeline import pipeline_refusal
     from autopar.runtime.tensor_parallel import capabilities_for
     from autopar.searcher.plan_builder import build_plan
     from autopar.searcher.search import search
@@ -59,8 +61,9 @@ def plan_for(module, example_inputs, loss_fn, *, name: str, seq_len: int, heads:
     graph = trace(module, example_inputs, loss_fn=loss_fn, precision="fp32", name=name, seq_len=seq_len)
     facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
     cluster = load_cluster("dgx-h100", gpus=world)
-    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp,
-                    capabilities=capabilities_for(module))
+    capabilities = dataclasses.replace(capabilities_for(module),  # the cut tried on this model's inputs
+                                       pipeline_refusal=pipeline_refusal(module, example_inputs))
+    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp, capabilities=capabilities)
     chosen = result.best or result.ranked[0]
     for key, value in strategy.items():
         assert getattr(chosen.strategy, key) == value, (key, chosen.strategy)
