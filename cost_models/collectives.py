@@ -102,13 +102,13 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
         if s.pp > 1:
             shard = s.tp if s.sp else 1
             if index > 0 and units:
-                for size, grad in units[0].cut:
-                    add("pp", "recv", size * b / shard, m)  # activations in
-                    add("pp", "send", size * b / shard, m if grad else 0)  # their gradients back
+                for tensor in units[0].cut:
+                    add("pp", "recv", tensor.bytes_for(b) / shard, m)  # activations in
+                    add("pp", "send", tensor.bytes_for(b) / shard, m if tensor.grad else 0)  # their gradients back
             if index < last and stages[index + 1]:
-                for size, grad in stages[index + 1][0].cut:
-                    add("pp", "send", size * b / shard, m)
-                    add("pp", "recv", size * b / shard, m if grad else 0)
+                for tensor in stages[index + 1][0].cut:
+                    add("pp", "send", tensor.bytes_for(b) / shard, m)
+                    add("pp", "recv", tensor.bytes_for(b) / shard, m if tensor.grad else 0)
         if s.dp > 1 and s.zero >= 1:
             copies = sum(n for stage, n in tied["copies"] if stage == index)
             for unit_params in _fsdp_unit_params(units, s.tp, copies):

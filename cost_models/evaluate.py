@@ -197,8 +197,8 @@ def evaluate(
     # first and last pipeline ranks: `pp - 1` rank strides apart
     tied_layout = group_layout(2, s.dp * s.tp * max(s.pp - 1, 1), cluster.gpus_per_node)
 
-    boundary_bytes = max((sum(size for size, _ in u[0].cut) for u in stages_units[1:] if u), default=0.0) \
-        * b / (s.tp if s.sp else 1)
+    boundary_bytes = max((sum(t.bytes_for(b) for t in u[0].cut) for u in stages_units[1:] if u), default=0.0) \
+        / (s.tp if s.sp else 1)
     p2p = collective_time_s("send_recv", boundary_bytes, pp_layout, cluster) if s.pp > 1 else 0.0
     pipe = (simulate if exact else estimate)(
         [c.forward_s for c in stage_costs], [c.backward_s for c in stage_costs], s.num_microbatches, s.schedule,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode, TensorMeta
 
@@ -51,6 +52,19 @@ class OpFacts:
         return self.reduce_bytes if self.reduce_per_microbatch else self.reduce_bytes * batch
 
 
+class CutTensor(NamedTuple):
+    """One tensor crossing a pipeline cut."""
+
+    bytes: float  # per sample when `per_sample`, else per micro-batch
+    grad: bool  # its gradient is sent back (a parameter flows into it and it is floating)
+    # It grows with the batch: it depends on the model's inputs. A tensor made from weights and
+    # positions alone (T5's relative position bias) is the same size for any micro-batch.
+    per_sample: bool = True
+
+    def bytes_for(self, batch: int) -> float:
+        return self.bytes * batch if self.per_sample else self.bytes
+
+
 @dataclass(frozen=True)
 class Unit:
     """A pipeline-cuttable piece of the model."""
@@ -68,10 +82,10 @@ class Unit:
     # Tied weights this unit reads but another unit owns: (owner unit, elements, tp-sharded). A
     # pipeline rank that holds this unit without the owner keeps a copy (and syncs its gradient).
     borrowed: tuple[tuple[str, int, bool], ...] = ()
-    # What a pipeline cut placed just before this unit sends forward, per sample: (bytes, whether
-    # its gradient comes back) per tensor made before the cut and read after it. Tensors computed
-    # from the inputs and buffers alone (masks, positions) are not sent: every stage recomputes them.
-    cut: tuple[tuple[float, bool], ...] = ()
+    # What a pipeline cut placed just before this unit sends forward: each tensor made before the
+    # cut and read after it. Tensors computed from the inputs and buffers alone (masks, positions)
+    # are not sent: every stage recomputes them.
+    cut: tuple[CutTensor, ...] = ()
     # Memo of derived costs (keyed by their arguments): a search costs each unit thousands of times.
     memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
@@ -393,20 +407,23 @@ _FLOATING = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "floa
 
 
 def _cut_tensors(graph: OpGraph, unit_of: dict[str, str], order: list[str], per_sample: float
-                 ) -> dict[str, tuple[tuple[float, bool], ...]]:
+                 ) -> dict[str, tuple[CutTensor, ...]]:
     """Per unit: the forward tensors crossing a pipeline cut placed just before it (see `Unit.cut`),
     in the order their producers ran. A tensor is recomputable when no parameter flows into it (the
-    runtime's stages recompute those); it carries a gradient when a parameter does and it is floating."""
+    runtime's stages recompute those)."""
     position = {unit: i for i, unit in enumerate(order)}
     forward = [node for node in graph.nodes if node.phase == "forward"]
     recomputable: set[str] = set()
     from_params: set[str] = set()
+    from_inputs: set[str] = set()
     for node in forward:
         names = node.inputs
         if all(n in recomputable or n.startswith(("input:", "buffer:", "const:")) for n in names):
             recomputable.add(node.name)
         if any(n.startswith("param:") or n in from_params for n in names):
             from_params.add(node.name)
+        if any(n.startswith("input:") or n in from_inputs for n in names):
+            from_inputs.add(node.name)
     produced_at = {node.name: position[unit_of[node.name]] for node in forward}
     last_read: dict[tuple, int] = {}  # (producer, shape, dtype) -> the last unit reading it
     for node in forward:
@@ -415,12 +432,13 @@ def _cut_tensors(graph: OpGraph, unit_of: dict[str, str], order: list[str], per_
             if name in produced_at and name not in recomputable and produced_at[name] < reader:
                 key = (name, meta.shape, meta.dtype)
                 last_read[key] = max(last_read.get(key, reader), reader)
-    result: dict[str, list[tuple[float, bool]]] = {}
+    result: dict[str, list[CutTensor]] = {}
     for (name, shape, dtype), reader in sorted(last_read.items(), key=lambda item: produced_at[item[0][0]]):
-        size = TensorMeta(shape=shape, dtype=dtype).bytes * per_sample
-        grad = dtype in _FLOATING and name in from_params
+        batched = name in from_inputs
+        size = TensorMeta(shape=shape, dtype=dtype).bytes * (per_sample if batched else 1.0)
+        tensor = CutTensor(size, dtype in _FLOATING and name in from_params, batched)
         for cut in range(produced_at[name] + 1, reader + 1):
-            result.setdefault(order[cut], []).append((size, grad))
+            result.setdefault(order[cut], []).append(tensor)
     return {unit: tuple(tensors) for unit, tensors in result.items()}
 
 

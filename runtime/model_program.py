@@ -62,10 +62,6 @@ def _first_line(error: Exception) -> str:
 
 def _outline(exported, model: nn.Module, module_paths: list[str]) -> ModelProgram:
     signature = exported.graph_signature
-    mutated = dict(signature.buffers_to_mutate) | dict(signature.user_inputs_to_mutate)
-    if mutated:
-        raise AutoparError(f"the forward mutates {sorted(mutated.values())[:3]} outside a module call, which "
-                           f"pipeline stages cannot replay")
     calls_by_path = {entry.fqn: entry.signature for entry in exported.module_call_graph if entry.fqn in module_paths}
     missing = [p for p in module_paths if calls_by_path.get(p) is None]
     if missing:
@@ -121,17 +117,40 @@ def _outline(exported, model: nn.Module, module_paths: list[str]) -> ModelProgra
             attributes[f"_captured_{node.target}"] = getattr(exported.graph_module, node.target)
         for used in node.all_input_nodes:
             if used.name not in env:
-                raise AutoparError(f"{node.name} reads {used.name} from inside module {owner.get(used.name)!r}, "
-                                   f"which that module does not return: no pipeline stage boundary can hold it")
+                same = _unchanged_source(used)  # `x.to(x.dtype)` inside a module returns x itself
+                if same is None or same.name not in env:
+                    raise AutoparError(f"{node.name} reads {used.name} from inside module {owner.get(used.name)!r}, "
+                                       f"which that module does not return: no pipeline stage boundary can hold it")
+                env[used.name] = env[same.name]
         env[node.name] = graph.node_copy(node, lambda n: env[n.name])
         if node.op == "get_attr":
             env[node.name].target = f"_captured_{node.target}"
     graph.output(tuple(outputs))
+    _refuse_state_mutation(graph)
     _drop_unused(graph)
     in_spec = exported.call_spec.in_spec
     input_keys = _input_keys(in_spec)
     return ModelProgram(graph=graph, calls=calls, attributes=attributes, out_spec=exported.call_spec.out_spec,
                         input_names=input_names, input_keys=input_keys)
+
+
+_RETURNS_SELF = {"aten::to", "aten::alias", "aten::contiguous", "aten::type_as"}
+
+
+def _unchanged_source(node: fx.Node) -> fx.Node | None:
+    """The tensor a chain of conversions that change nothing (same dtype, device, shape and strides:
+    eager returns the input itself) started from, or None."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target._schema.name in _RETURNS_SELF and node.args and isinstance(node.args[0], fx.Node):
+        before, after = node.args[0].meta.get("val"), node.meta.get("val")
+        if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)) or (
+                before.dtype, before.device, before.shape, before.stride()) != (
+                after.dtype, after.device, after.shape, after.stride()):
+            return None
+        node = node.args[0]
+        if node.op != "call_function" or getattr(getattr(node.target, "_schema", None), "name", "") not in _RETURNS_SELF:
+            return node
+    return None
 
 
 def _emit_call(graph: fx.Graph, env: dict[str, Any], path: str, signature, exported_nodes: dict) -> fx.Node:
@@ -154,12 +173,32 @@ def _emit_call(graph: fx.Graph, env: dict[str, Any], path: str, signature, expor
             env[leaves[0].name] = call
             call.meta["val"] = exported_nodes[leaves[0].name].meta.get("val")
         return call
-    flat_out = graph.call_function(_output_leaves, (call, signature.out_spec))
+    flat_out = graph.call_function(_output_leaves, (call, str(signature.out_spec)))
     for index, argument in enumerate(leaves):
         if isinstance(argument, TensorArgument):
             env[argument.name] = graph.call_function(operator.getitem, (flat_out, index))
             env[argument.name].meta["val"] = exported_nodes[argument.name].meta.get("val")
     return call
+
+
+def _refuse_state_mutation(graph: fx.Graph) -> None:
+    """Code outside the called modules that writes into a buffer or an input (a step counter, running
+    statistics kept by the model itself) would be dropped or repeated by stages that recompute it."""
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+            continue
+        for argument, value in zip(target._schema.arguments, node.args):
+            if argument.alias_info is None or not argument.alias_info.is_write or not isinstance(value, fx.Node):
+                continue
+            root = value
+            while root.op == "call_function" and isinstance(root.target, torch._ops.OpOverload) and \
+                    root.target._schema.arguments and root.target._schema.arguments[0].alias_info is not None:
+                root = root.args[0]
+            if root.op in ("get_attr", "placeholder"):
+                what = root.target if root.op == "get_attr" else "an input"
+                raise AutoparError(f"the forward writes into {what} outside the modules pipeline stages call "
+                                   f"({target.name()}), which stages cannot replay")
 
 
 def _drop_unused(graph: fx.Graph) -> None:
@@ -172,10 +211,10 @@ def _drop_unused(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _output_leaves(output: Any, spec: pytree.TreeSpec) -> list:
+def _output_leaves(output: Any, spec: str) -> list:
     """A module's output as the flat leaves the captured graph numbered (checked against its spec)."""
     leaves, found = pytree.tree_flatten(output)
-    if found != spec:
+    if str(found) != spec:
         raise AutoparError(f"a module returned {found}, not the structure captured ({spec}): its output depends on "
                            f"something other than its inputs' shapes")
     return leaves

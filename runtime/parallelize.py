@@ -293,7 +293,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
                              vocab_parallel_loss=vocab_parallel)
     parallel.canonical = dict(source.alias)
     if cut is not None:  # 7. the pipeline schedule over this rank's stages
-        parallel.tied_groups = _tied_groups(model, cut, layout)
+        parallel.tied_groups = _tied_groups(model, cut, layout, parallel.named_parameters())
         parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
                                            layout.group("pp"), s.schedule, s.num_microbatches, loss_fn)
     return parallel
@@ -332,21 +332,27 @@ def _microbatch_inputs(plan: Plan, example_inputs: tuple | None) -> tuple[torch.
                  for spec in plan.model_inputs)
 
 
-def _tied_groups(model: nn.Module, cut: PipelineCut, layout: RankLayout
+def _tied_groups(model: nn.Module, cut: PipelineCut, layout: RankLayout, local: dict[str, nn.Parameter]
                  ) -> list[tuple[str, dist.ProcessGroup, list[int]]]:
     """Process groups summing the gradients of weights held on several pipeline ranks (a tied
-    embedding and head, a module two stages call): one name per weight on this rank."""
+    embedding and head, a module two stages call): one name per weight on this rank (of `local`)."""
     groups = []
     stage_size = layout.size("dp") * layout.size("tp")
     offset = layout.dp_rank * layout.size("tp") + layout.tp_rank
-    for name, (pp_ranks, local_names) in tied_pp_ranks(model, cut, layout.size("pp")).items():
+    first: dict[int, str] = {}
+    canonical = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    for name, pp_ranks in tied_pp_ranks(model, cut, layout.size("pp")).items():
         mine = None
         for position in range(stage_size):  # every rank creates every group, in the same order
             ranks = [r * stage_size + position for r in pp_ranks]
             group = dist.new_group(ranks)
             if position == offset and layout.pp_rank in pp_ranks:
                 mine = group
-        here = [local_names[i] for i in layout.stage_indices if i in local_names]
+        here = [n for n in local if canonical.get(_strip(n)) == name]
         if mine is not None and here:
             groups.append((here[0], mine, pp_ranks))
     return groups
+
+
+def _strip(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")

@@ -66,7 +66,8 @@ def cut_pipeline(model: nn.Module, plan: Plan, example_inputs: tuple, loss_fn: C
     if any(not stage.units for stage in plan.stages):
         raise AutoparError("the plan does not say which cost-model units each pipeline stage holds (made by an "
                            "older autopar): re-run `autopar plan`")
-    program = capture_program(model, tuple(example_inputs), {}, kept_modules(plan))
+    example_inputs = _on_model_device(model, example_inputs)
+    program = capture_program(model, example_inputs, {}, kept_modules(plan))
     if len(program.input_names) != len(example_inputs):
         raise AutoparError(f"pipeline stages feed the model its {len(example_inputs)} tensor input(s), the captured "
                            f"forward reads {len(program.input_names)}")
@@ -91,10 +92,18 @@ def pipeline_refusal(model: nn.Module, example_inputs: tuple | None = None) -> s
     if len(blocks) < 2:
         return "the model has fewer than two repeated blocks to cut pipeline stages between"
     try:
-        capture_program(model, tuple(example_inputs), {}, blocks)
+        capture_program(model, _on_model_device(model, example_inputs), {}, blocks)
     except AutoparError as error:
         return str(error)
     return None
+
+
+def _on_model_device(model: nn.Module, example_inputs) -> tuple[torch.Tensor, ...]:
+    """Inputs of the given shapes on the device the model's weights are on (only shapes are read:
+    the capture runs on fake tensors)."""
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    device = next((p.device for p in model.parameters()), torch.device("meta"))
+    return tuple(torch.zeros(x.shape, dtype=x.dtype, device=device) for x in inputs)
 
 
 def _repeated_blocks(model: nn.Module) -> list[str]:
@@ -251,17 +260,14 @@ def check_stage_cover(reference: nn.Module, cut: PipelineCut) -> None:
                            f"`autopar plan`, or drop them from the model")
 
 
-def tied_pp_ranks(reference: nn.Module, cut: PipelineCut, pp: int) -> dict[str, tuple[list[int], dict[int, str]]]:
-    """Parameters held on more than one pipeline rank: canonical name -> (those ranks, each stage's name for it)."""
+def tied_pp_ranks(reference: nn.Module, cut: PipelineCut, pp: int) -> dict[str, list[int]]:
+    """Parameters held on more than one pipeline rank (under any of their names): canonical name -> those ranks."""
     canonical: dict[int, str] = {}
     names: dict[str, str] = {}
     for name, param in reference.named_parameters(remove_duplicate=False):
         names[name] = canonical.setdefault(id(param), name)
-    result: dict[str, tuple[list[int], dict[int, str]]] = {}
+    ranks: dict[str, set[int]] = {}
     for index, held in enumerate(cut.holdings):
-        for name in sorted(held):
-            ranks, local = result.setdefault(names[name], ([], {}))
-            if index % pp not in ranks:
-                ranks.append(index % pp)
-            local.setdefault(index, name)
-    return {name: (sorted(ranks), local) for name, (ranks, local) in result.items() if len(set(ranks)) > 1}
+        for name in held:
+            ranks.setdefault(names[name], set()).add(index % pp)
+    return {name: sorted(found) for name, found in sorted(ranks.items()) if len(found) > 1}
