@@ -50,8 +50,9 @@ def capture_program(model: nn.Module, args: tuple, kwargs: dict, module_paths: l
         exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
                                        preserve_module_call_signature=tuple(module_paths))
     except Exception as error:  # any failure inside user code or torch: say what it was, in one line
+        hint = "; build the model with use_cache=False for training" if "Cache(" in str(error) else ""
         raise AutoparError(f"the forward cannot be captured for pipeline stages (torch.export: "
-                           f"{_first_line(error)})") from error
+                           f"{_first_line(error)}){hint}") from error
     return _outline(exported, model, module_paths)
 
 
