@@ -41,8 +41,12 @@ class ModelProgram:
     input_keys: list[str]  # how each input is passed: "arg:i" or "kwarg:name"
 
 
-def capture_program(model: nn.Module, args: tuple, kwargs: dict, module_paths: list[str]) -> ModelProgram:
+def capture_program(model: nn.Module, args: tuple, kwargs: dict, module_paths: list[str],
+                    optional: set[str] = frozenset()) -> ModelProgram:
     """Capture `model(*args, **kwargs)` with each module in `module_paths` kept as one call.
+
+    A module in `optional` whose call the capture cannot keep (called twice, or not recorded) runs
+    as captured code like the rest, its weights read by name.
 
     Raises AutoparError with the reason when the forward cannot be captured this way.
     """
@@ -53,7 +57,7 @@ def capture_program(model: nn.Module, args: tuple, kwargs: dict, module_paths: l
         hint = "; build the model with use_cache=False for training" if "Cache(" in str(error) else ""
         raise AutoparError(f"the forward cannot be captured for pipeline stages (torch.export: "
                            f"{_first_line(error)}){hint}") from error
-    return _outline(exported, model, module_paths)
+    return _outline(exported, model, module_paths, optional)
 
 
 def _first_line(error: Exception) -> str:
@@ -61,9 +65,10 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _outline(exported, model: nn.Module, module_paths: list[str]) -> ModelProgram:
+def _outline(exported, model: nn.Module, module_paths: list[str], optional: set[str]) -> ModelProgram:
     signature = exported.graph_signature
     calls_by_path = {entry.fqn: entry.signature for entry in exported.module_call_graph if entry.fqn in module_paths}
+    module_paths = [p for p in module_paths if calls_by_path.get(p) is not None or p not in optional]
     missing = [p for p in module_paths if calls_by_path.get(p) is None]
     if missing:
         raise AutoparError(f"module {missing[0]!r} is not called by the forward (or called more than once), so no "
@@ -88,6 +93,10 @@ def _outline(exported, model: nn.Module, module_paths: list[str]) -> ModelProgra
         spec = specs[node.name]
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             env[node.name] = graph.get_attr(spec.target)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:  # a tensor the forward makes from Python values
+            name = f"_captured_constant_{len(attributes)}"
+            attributes[name] = exported.constants[spec.target]
+            env[node.name] = graph.get_attr(name)
         elif spec.kind == InputKind.USER_INPUT:
             name = f"input_{user_index}"
             user_index += 1
@@ -129,6 +138,12 @@ def _outline(exported, model: nn.Module, module_paths: list[str]) -> ModelProgra
     graph.output(tuple(outputs))
     _refuse_state_mutation(graph)
     _drop_unused(graph)
+    used = {node.target for node in graph.nodes if node.op == "get_attr"}
+    attributes = {name: value for name, value in attributes.items() if name in used}
+    unknown = [name for name, value in attributes.items() if isinstance(value, torch.Tensor) and value.is_meta]
+    if unknown:
+        raise AutoparError("the forward makes a tensor constant on the meta device outside the modules pipeline stages "
+                           "call, whose value the stages cannot know: pass the model with real weights")
     in_spec = exported.call_spec.in_spec
     input_keys = _input_keys(in_spec)
     return ModelProgram(graph=graph, calls=calls, attributes=attributes, out_spec=exported.call_spec.out_spec,

@@ -49,6 +49,7 @@ class PipelineCut:
 
 
 def layer_paths(plan: Plan) -> set[str]:
+    """The plan's layer units (instance paths); the other units are named "pre", "between.N", "post"."""
     return {unit for stage in plan.stages for unit in stage.units if not unit.startswith(NON_LAYER_UNITS)}
 
 
@@ -67,13 +68,15 @@ def cut_pipeline(model: nn.Module, plan: Plan, example_inputs: tuple, loss_fn: C
         raise AutoparError("the plan does not say which cost-model units each pipeline stage holds (made by an "
                            "older autopar): re-run `autopar plan`")
     example_inputs = _on_model_device(model, example_inputs)
-    program = capture_program(model, example_inputs, {}, kept_modules(plan))
+    layers = layer_paths(plan)
+    kept = kept_modules(plan)
+    program = capture_program(model, example_inputs, {}, kept, optional={p for p in kept if p not in layers})
     if len(program.input_names) != len(example_inputs):
         raise AutoparError(f"pipeline stages feed the model its {len(example_inputs)} tensor input(s), the captured "
                            f"forward reads {len(program.input_names)}")
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     reads = _leaves_read_by(loss_fn, program, example_inputs)
-    split = split_program(program, [list(stage.units) for stage in plan.stages], layer_paths(plan), names, reads)
+    split = split_program(program, [list(stage.units) for stage in plan.stages], layers, names, reads)
     holdings = [_held_parameters(model, stage.graph) for stage in split.stages]
     return PipelineCut(program, split, holdings)
 
@@ -166,12 +169,17 @@ def _stage_module(reference: nn.Module, program: ModelProgram, stage: StageGraph
     graph = copy.deepcopy(stage.graph)
     _retarget_devices(graph, device)
     root: dict[str, Any] = {}
+    constants: dict[str, torch.Tensor] = {}  # captured tensor constants: plain attributes, not the model's state
     non_persistent = []
     for node in graph.nodes:
         if node.op == "call_module":
             root[node.target] = copy.deepcopy(reference.get_submodule(node.target), memo)
         elif node.op == "get_attr" and node.target in program.attributes:
-            captured = copy.deepcopy(program.attributes[node.target])
+            captured = program.attributes[node.target]
+            if isinstance(captured, torch.Tensor):
+                root[node.target] = constants[node.target] = captured.to(device)
+                continue
+            captured = copy.deepcopy(captured)
             _retarget_devices(captured.graph, device)
             captured.recompile()
             root[node.target] = captured
@@ -182,6 +190,9 @@ def _stage_module(reference: nn.Module, program: ModelProgram, stage: StageGraph
             if attr in owner._non_persistent_buffers_set:
                 non_persistent.append(node.target)
     module = fx.GraphModule(root, graph, class_name=f"PipelineStage{stage.index}")
+    for name, value in constants.items():
+        del module._buffers[name]
+        setattr(module, name, value)
     for target in non_persistent:
         path, _, attr = target.rpartition(".")
         (module.get_submodule(path) if path else module)._non_persistent_buffers_set.add(attr)
