@@ -27,7 +27,8 @@ from autopar.runtime.compile import compile_blocks
 from autopar.runtime.data_parallel import all_reduce_gradients, apply_fsdp, set_microbatch_boundary
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
-from autopar.runtime.pipeline import PipelineCut, build_schedule, check_stage_cover, cut_pipeline, tied_pp_ranks
+from autopar.runtime.pipeline import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
+                                     tied_gradient_groups)
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, capabilities_for, default_head_path, tp_placement
@@ -255,7 +256,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
     cut = None
     if s.pp > 1:  # the forward captured (on fake tensors) and cut into stages, before any collective
-        cut = cut_pipeline(model, plan, _microbatch_inputs(plan, example_inputs), loss_fn)
+        cut = cut_pipeline(model, plan, microbatch_inputs(plan, example_inputs), loss_fn)
         check_stage_cover(model, cut)
     placements = {name: tp_placement(text) for name, text in plan.param_placements.items()}
     head_path = head_path if head_path is not None else default_head_path(model)
@@ -293,7 +294,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
                              vocab_parallel_loss=vocab_parallel)
     parallel.canonical = dict(source.alias)
     if cut is not None:  # 7. the pipeline schedule over this rank's stages
-        parallel.tied_groups = _tied_groups(model, cut, layout, parallel.named_parameters())
+        parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters())
         parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
                                            layout.group("pp"), s.schedule, s.num_microbatches, loss_fn)
     return parallel
@@ -317,42 +318,3 @@ def _innermost(blocks: list[str]) -> list[str]:
     """Blocks that contain no other block: a container of layers (Hugging Face's `model` around
     `model.layers.N`) is not a unit of its own; its other parameters join the root unit."""
     return [b for b in blocks if not any(o != b and o.startswith(b + ".") for o in blocks)]
-
-
-def _microbatch_inputs(plan: Plan, example_inputs: tuple | None) -> tuple[torch.Tensor, ...]:
-    """The model's inputs at one micro-batch, on meta: from the caller, else as the plan records them."""
-    rows = plan.strategy.microbatch
-    if example_inputs is not None:
-        inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        return tuple(torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device="meta") for x in inputs)
-    if not plan.model_inputs:
-        raise AutoparError("the plan does not record the model's inputs, which pipeline stages are cut for: "
-                           "re-run `autopar plan`, or pass example_inputs to parallelize")
-    return tuple(torch.empty((rows, *spec.shape), dtype=getattr(torch, spec.dtype), device="meta")
-                 for spec in plan.model_inputs)
-
-
-def _tied_groups(model: nn.Module, cut: PipelineCut, layout: RankLayout, local: dict[str, nn.Parameter]
-                 ) -> list[tuple[str, dist.ProcessGroup, list[int]]]:
-    """Process groups summing the gradients of weights held on several pipeline ranks (a tied
-    embedding and head, a module two stages call): one name per weight on this rank (of `local`)."""
-    groups = []
-    stage_size = layout.size("dp") * layout.size("tp")
-    offset = layout.dp_rank * layout.size("tp") + layout.tp_rank
-    first: dict[int, str] = {}
-    canonical = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
-    for name, pp_ranks in tied_pp_ranks(model, cut, layout.size("pp")).items():
-        mine = None
-        for position in range(stage_size):  # every rank creates every group, in the same order
-            ranks = [r * stage_size + position for r in pp_ranks]
-            group = dist.new_group(ranks)
-            if position == offset and layout.pp_rank in pp_ranks:
-                mine = group
-        here = [n for n in local if canonical.get(_strip(n)) == name]
-        if mine is not None and here:
-            groups.append((here[0], mine, pp_ranks))
-    return groups
-
-
-def _strip(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")

@@ -26,6 +26,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.runtime.init import _strip_wrappers
+from autopar.runtime.mesh import RankLayout
 from autopar.runtime.model_program import ModelProgram, capture_program
 from autopar.runtime.stage_split import ProgramSplit, StageGraph, split_program
 
@@ -282,3 +284,38 @@ def tied_pp_ranks(reference: nn.Module, cut: PipelineCut, pp: int) -> dict[str, 
         for name in held:
             ranks.setdefault(names[name], set()).add(index % pp)
     return {name: sorted(found) for name, found in sorted(ranks.items()) if len(found) > 1}
+
+
+def microbatch_inputs(plan: Plan, example_inputs: tuple | None) -> tuple[torch.Tensor, ...]:
+    """The model's inputs at one micro-batch, on meta: from the caller, else as the plan records them."""
+    rows = plan.strategy.microbatch
+    if example_inputs is not None:
+        inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        return tuple(torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device="meta") for x in inputs)
+    if not plan.model_inputs:
+        raise AutoparError("the plan does not record the model's inputs, which pipeline stages are cut for: "
+                           "re-run `autopar plan`, or pass example_inputs to parallelize")
+    return tuple(torch.empty((rows, *spec.shape), dtype=getattr(torch, spec.dtype), device="meta")
+                 for spec in plan.model_inputs)
+
+
+def tied_gradient_groups(model: nn.Module, cut: PipelineCut, layout: RankLayout, local: dict[str, nn.Parameter]
+                         ) -> list[tuple[str, dist.ProcessGroup, list[int]]]:
+    """Process groups summing the gradients of weights held on several pipeline ranks (a tied
+    embedding and head, a module two stages call): one name per weight on this rank (of `local`)."""
+    groups = []
+    stage_size = layout.size("dp") * layout.size("tp")
+    offset = layout.dp_rank * layout.size("tp") + layout.tp_rank
+    first: dict[int, str] = {}
+    canonical = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    for name, pp_ranks in tied_pp_ranks(model, cut, layout.size("pp")).items():
+        mine = None
+        for position in range(stage_size):  # every rank creates every group, in the same order
+            ranks = [r * stage_size + position for r in pp_ranks]
+            group = dist.new_group(ranks)
+            if position == offset and layout.pp_rank in pp_ranks:
+                mine = group
+        here = [n for n in local if canonical.get(_strip_wrappers(n)) == name]
+        if mine is not None and here:
+            groups.append((here[0], mine, pp_ranks))
+    return groups

@@ -14,10 +14,9 @@ output leaves; leaves made on an earlier stage travel only if the loss reads the
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from autopar.errors import AutoparError
 from autopar.runtime.model_program import ModelProgram

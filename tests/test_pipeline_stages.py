@@ -52,14 +52,16 @@ def _parity(cases: list[tuple[str, dict]], world: int) -> None:
 CAUSAL_WORLD2 = [
     ("llama", dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2)),
     ("llama", dict(dp=1, tp=1, pp=2, schedule="interleaved", vp=2, microbatch=2)),
+    ("llama", dict(dp=1, tp=1, pp=2, schedule="gpipe", microbatch=2, recompute="full")),
     ("gpt2", dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2)),
     ("gpt2", dict(dp=1, tp=1, pp=2, schedule="interleaved", vp=2, microbatch=1)),
 ]
 
 
 def test_causal_lms_1f1b_and_interleaved():
-    """`model.layers.N` inside LlamaModel, `transformer.h.N` inside GPT2Model (its embedding tied
-    to the head on the other pipeline rank: their gradients summed)."""
+    """`model.layers.N` inside LlamaModel (also recomputed: the layer's keyword inputs pass through
+    the checkpoint), `transformer.h.N` inside GPT2Model (its embedding tied to the head on the other
+    pipeline rank: their gradients summed)."""
     _parity(CAUSAL_WORLD2, world=2)
 
 
@@ -94,12 +96,11 @@ def test_pipeline_with_data_and_tensor_parallel_world4():
 
 def _cut(family: str, strategy: dict, world: int = 2):
     """The plan and the runtime's cut of `family`'s forward into its stages, on one process."""
-    from autopar.runtime.parallelize import _microbatch_inputs
-    from autopar.runtime.pipeline import cut_pipeline
+    from autopar.runtime.pipeline import cut_pipeline, microbatch_inputs
 
     plan = hf_plan(family, strategy, world)
     model = hf_tiny.build(family)
-    return plan, model, cut_pipeline(model, plan, _microbatch_inputs(plan, None), hf_tiny.loss_fn)
+    return plan, model, cut_pipeline(model, plan, microbatch_inputs(plan, None), hf_tiny.loss_fn)
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
