@@ -34,11 +34,9 @@ class ModelProgram:
     """
 
     graph: fx.Graph
-    calls: dict[str, fx.Node]  # listed module path -> its call
     attributes: dict[str, Any]  # get_attr targets that are not the model's own (captured sub-graphs)
     out_spec: pytree.TreeSpec
     input_names: list[str]  # placeholder names in order
-    input_keys: list[str]  # how each input is passed: "arg:i" or "kwarg:name"
 
 
 def capture_program(model: nn.Module, args: tuple, kwargs: dict, module_paths: list[str],
@@ -57,7 +55,7 @@ def capture_program(model: nn.Module, args: tuple, kwargs: dict, module_paths: l
         hint = "; build the model with use_cache=False for training" if "Cache(" in str(error) else ""
         raise AutoparError(f"the forward cannot be captured for pipeline stages (torch.export: "
                            f"{_first_line(error)}){hint}") from error
-    return _outline(exported, model, module_paths, optional)
+    return _outline(exported, module_paths, optional)
 
 
 def _first_line(error: Exception) -> str:
@@ -65,7 +63,7 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _outline(exported, model: nn.Module, module_paths: list[str], optional: set[str]) -> ModelProgram:
+def _outline(exported, module_paths: list[str], optional: set[str]) -> ModelProgram:
     signature = exported.graph_signature
     calls_by_path = {entry.fqn: entry.signature for entry in exported.module_call_graph if entry.fqn in module_paths}
     module_paths = [p for p in module_paths if calls_by_path.get(p) is not None or p not in optional]
@@ -106,7 +104,6 @@ def _outline(exported, model: nn.Module, module_paths: list[str], optional: set[
         else:
             raise AutoparError(f"the forward reads a {spec.kind.name.lower()} ({spec.target}), which pipeline stages "
                                f"cannot carry")
-    calls: dict[str, fx.Node] = {}
     exported_nodes = {node.name: node for node in exported.graph.nodes}
     emitted: set[str] = set()
     outputs = []
@@ -115,23 +112,18 @@ def _outline(exported, model: nn.Module, module_paths: list[str], optional: set[
             continue
         if node.op == "output":
             user_outputs = node.args[0][len(signature.buffers_to_mutate) + len(signature.user_inputs_to_mutate):]
-            outputs = [env[o.name] if isinstance(o, fx.Node) else o for o in user_outputs]
+            outputs = [_available(env, o, owner) if isinstance(o, fx.Node) else o for o in user_outputs]
             continue
         path = owner.get(node.name)
         if path is not None:
             if path not in emitted:
                 emitted.add(path)
-                calls[path] = _emit_call(graph, env, path, calls_by_path[path], exported_nodes)
+                _emit_call(graph, env, path, calls_by_path[path], exported_nodes)
             continue
         if node.op == "get_attr":  # a captured sub-graph (a no_grad or autocast region): kept by a name of ours
             attributes[f"_captured_{node.target}"] = getattr(exported.graph_module, node.target)
         for used in node.all_input_nodes:
-            if used.name not in env:
-                same = _unchanged_source(used)  # `x.to(x.dtype)` inside a module returns x itself
-                if same is None or same.name not in env:
-                    raise AutoparError(f"{node.name} reads {used.name} from inside module {owner.get(used.name)!r}, "
-                                       f"which that module does not return: no pipeline stage boundary can hold it")
-                env[used.name] = env[same.name]
+            _available(env, used, owner)
         env[node.name] = graph.node_copy(node, lambda n: env[n.name])
         if node.op == "get_attr":
             env[node.name].target = f"_captured_{node.target}"
@@ -144,10 +136,19 @@ def _outline(exported, model: nn.Module, module_paths: list[str], optional: set[
     if unknown:
         raise AutoparError("the forward makes a tensor constant on the meta device outside the modules pipeline stages "
                            "call, whose value the stages cannot know: pass the model with real weights")
-    in_spec = exported.call_spec.in_spec
-    input_keys = _input_keys(in_spec)
-    return ModelProgram(graph=graph, calls=calls, attributes=attributes, out_spec=exported.call_spec.out_spec,
-                        input_names=input_names, input_keys=input_keys)
+    return ModelProgram(graph=graph, attributes=attributes, out_spec=exported.call_spec.out_spec,
+                        input_names=input_names)
+
+
+def _available(env: dict[str, Any], used: fx.Node, owner: dict[str, str]) -> fx.Node:
+    """The new graph's value for `used`, which code outside the listed modules reads."""
+    if used.name not in env:
+        same = _unchanged_source(used)  # `x.to(x.dtype)` inside a module returns x itself
+        if same is None or same.name not in env:
+            raise AutoparError(f"the forward reads {used.name} from inside module {owner.get(used.name)!r}, which that "
+                               f"module does not return: no pipeline stage boundary can hold it")
+        env[used.name] = env[same.name]
+    return env[used.name]
 
 
 _RETURNS_SELF = {"aten::to", "aten::alias", "aten::contiguous", "aten::type_as"}
@@ -234,14 +235,3 @@ def _output_leaves(output: Any, spec: str) -> list:
         raise AutoparError(f"a module returned {found}, not the structure captured ({spec}): its output depends on "
                            f"something other than its inputs' shapes")
     return leaves
-
-
-def _input_keys(in_spec: pytree.TreeSpec) -> list[str]:
-    """How each flat input is passed: "arg:i" for positional tensors, "kwarg:name" for keyword ones."""
-    args_spec, kwargs_spec = in_spec.children()
-    keys = []
-    for i, child in enumerate(args_spec.children()):
-        keys.extend([f"arg:{i}"] * child.num_leaves)
-    for name, child in zip(kwargs_spec.context, kwargs_spec.children()):
-        keys.extend([f"kwarg:{name}"] * child.num_leaves)
-    return keys
