@@ -234,6 +234,10 @@ def plan(
     facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
     efficiency = _calibration(profile, profile_device, graph, cluster, say) if profile else None
     capabilities = capabilities_for(model)
+    if cluster.world_size > 1 and fixed.get("pp") != 1 and not fallback:  # the cut tried on these inputs
+        from autopar.runtime.pipeline import pipeline_refusal
+
+        capabilities = dataclasses.replace(capabilities, pipeline_refusal=pipeline_refusal(model, example_inputs))
     if fallback:
         refusal = "tensor and pipeline parallelism need the training step's op graph, which could not be captured"
         capabilities = dataclasses.replace(capabilities, tensor_parallel_refusal=refusal, pipeline_refusal=refusal)

@@ -73,6 +73,10 @@ class StagePlan(_Record):
 
     index: int = Field(ge=0)
     module_paths: list[str]
+    # The cost model's units on this stage, in order: layer instance paths, and "pre", "between.N",
+    # "post" for the code before, between and after the layers (pipeline stages run that code where
+    # the cost model placed it, so what crosses each cut is what was costed).
+    units: list[str] = []
     device_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     mesh_shape: dict[str, Annotated[int, Field(gt=0)]]
 
@@ -129,6 +133,13 @@ class Strategy(_Record):
         if self.tp_overlap and not self.sp:
             raise ValueError("tp_overlap overlaps sequence-parallel collectives with GEMMs: it needs sp=true")
         return self
+
+
+class ModelInput(_Record):
+    """One tensor the model's forward takes, per sample (the batch dimension left out)."""
+
+    shape: list[Annotated[int, Field(ge=0)]]
+    dtype: str
 
 
 class CollectiveRecord(_Record):
@@ -195,6 +206,8 @@ class Plan(_Record):
     param_placements: dict[str, Placements] = {}
     op_placements: dict[str, Placements] = {}
     recompute_modules: list[str] = []
+    # The model's tensor inputs as planned (pipeline stages capture the forward at this shape).
+    model_inputs: list[ModelInput] = []
     predicted: PredictedMetrics | None = None
     provenance: Provenance
 

@@ -16,8 +16,10 @@ It follows the runtime's algorithm, which the evaluator costs:
   layer plus one for the rest of the stage): weights all-gathered at the first forward (ZeRO 1/2)
   or every forward and backward (ZeRO 3), gradients reduce-scattered once per step (ZeRO 1) or per
   micro-batch (ZeRO 2/3);
-- pp: a send and a receive per micro-batch and stage boundary, each way; the weights tied across
-  pipeline ranks (embedding and head) summed once per step;
+- pp: per micro-batch and stage boundary, a send and a receive of each tensor crossing the cut
+  (`Unit.cut`: hidden states, an encoder's output, position biases; not what every stage
+  recomputes from the inputs), and of the gradient back for each that carries one; the weights
+  held on several pipeline ranks (a tied embedding and head) summed once per step;
 - tp, sequence parallel: the gradients of norms (replicated weights that saw sequence shards)
   summed once per step, flattened into one all-reduce; under FSDP (ZeRO 1-3), FSDP sums them
   itself, one all-reduce per tensor at each gradient reduce-scatter;
@@ -98,14 +100,15 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                 for kind, size, times in vocab_parallel_head_collectives(s, precision, seq_len, vocab):
                     add("tp", kind, size, m * times)
         if s.pp > 1:
-            boundary = units[0].input_bytes * b / (s.tp if s.sp else 1) if units else 0.0
-            if index > 0:
-                add("pp", "recv", boundary, m)  # activations in
-                add("pp", "send", boundary, m)  # their gradients back
+            shard = s.tp if s.sp else 1
+            if index > 0 and units:
+                for tensor in units[0].cut:
+                    add("pp", "recv", tensor.bytes_for(b) / shard, m)  # activations in
+                    add("pp", "send", tensor.bytes_for(b) / shard, m if tensor.grad else 0)  # their gradients back
             if index < last and stages[index + 1]:
-                out = stages[index + 1][0].input_bytes * b / (s.tp if s.sp else 1)
-                add("pp", "send", out, m)
-                add("pp", "recv", out, m)
+                for tensor in stages[index + 1][0].cut:
+                    add("pp", "send", tensor.bytes_for(b) / shard, m)
+                    add("pp", "recv", tensor.bytes_for(b) / shard, m if tensor.grad else 0)
         if s.dp > 1 and s.zero >= 1:
             copies = sum(n for stage, n in tied["copies"] if stage == index)
             for unit_params in _fsdp_unit_params(units, s.tp, copies):

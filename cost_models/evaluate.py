@@ -127,12 +127,13 @@ def evaluate(
 
 def run_pipeline(pricing: Pricing, prices: StagePrices, stages_units: list[list[Unit]], exact: bool) -> PipelineResult:
     """The schedule of every micro-batch's passes, with the point-to-point transfers between stages:
-    a stage boundary's activation (divided over tp under sp) sent over the link between the two
+    what crosses a stage boundary (`Unit.cut`, divided over tp under sp) sent over the link between the two
     stages' ranks (the network once pp's stride leaves the node), at that link's bandwidth plus a
     step of its latency; a transfer delays the pass that needs it, not the rank that sends."""
     s, cluster = pricing.strategy, pricing.cluster
     pp_layout = group_layout(s.pp, s.dp * s.tp, cluster.gpus_per_node)
-    boundary_bytes = max((u[0].input_bytes for u in stages_units[1:] if u), default=0.0) * s.microbatch \
+    boundary_bytes = max((sum(t.bytes_for(s.microbatch) for t in u[0].cut) for u in stages_units[1:] if u),
+                         default=0.0) \
         / (s.tp if s.sp else 1)
     p2p = collective_time_s("send_recv", boundary_bytes, pp_layout, cluster) if s.pp > 1 else 0.0
     stage_costs = prices.stages

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
-from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode
+from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode, TensorMeta
 
 _CONTRACTIONS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "convolution": (0, 1)}
 _LINEAR = {"add", "sub", "mul", "div", "neg", "sum", "mean", "clone", "_to_copy", "copy", "cat", "expand", "view"}
@@ -53,6 +54,19 @@ class OpFacts:
 
     def reduce_bytes_for(self, batch: int) -> float:
         return self.reduce_bytes if self.reduce_per_microbatch else self.reduce_bytes * batch
+
+
+class CutTensor(NamedTuple):
+    """One tensor crossing a pipeline cut."""
+
+    bytes: float  # per sample when `per_sample`, else per micro-batch
+    grad: bool  # its gradient is sent back (a parameter flows into it and it is floating)
+    # It grows with the batch: it depends on the model's inputs. A tensor made from weights and
+    # positions alone (T5's relative position bias) is the same size for any micro-batch.
+    per_sample: bool = True
+
+    def bytes_for(self, batch: int) -> float:
+        return self.bytes * batch if self.per_sample else self.bytes
 
 
 @dataclass(frozen=True)
@@ -91,6 +105,10 @@ class Unit:
     # Tied weights this unit reads but another unit owns: (owner unit, elements, tp-sharded). A
     # pipeline rank that holds this unit without the owner keeps a copy (and syncs its gradient).
     borrowed: tuple[tuple[str, int, bool], ...] = ()
+    # What a pipeline cut placed just before this unit sends forward: each tensor made before the
+    # cut and read after it. Tensors computed from the inputs and buffers alone (masks, positions)
+    # are not sent: every stage recomputes them.
+    cut: tuple[CutTensor, ...] = ()
 
     def params_on_device(self, tp: int) -> float:
         """Parameters one tp rank holds: its shard of the sharded ones, all of the rest."""
@@ -155,6 +173,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
         for name in node.params:
             owner.setdefault(name, unit_of[node.name])
     first_input = _unit_input_bytes(graph, unit_of, per_sample)
+    cuts = _cut_tensors(graph, unit_of, order, per_sample)
     elementwise_read = {p for node in graph.nodes if node.phase == "forward"
                         and _packet(node) not in _CONTRACTIONS and _packet(node) != "embedding" for p in node.params}
     tp_dims = _param_tp_dims(graph, status, sharded)
@@ -178,6 +197,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
                                           if u == name and p not in sharded and p in elementwise_read),
             borrowed=tuple((owner[p], params[p].numel, p in counted)
                            for p in sorted(read_by.get(name, ())) if owner[p] != name),
+            cut=cuts.get(name, ()),
         )
         for name in order
     )
@@ -438,6 +458,45 @@ def _unit_input_bytes(graph: OpGraph, unit_of: dict[str, str], per_sample: float
                 sizes.setdefault(unit, 0.0)
                 sizes[unit] = max(sizes[unit], output_bytes[source] * per_sample)
     return sizes
+
+
+_FLOATING = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
+
+
+def _cut_tensors(graph: OpGraph, unit_of: dict[str, str], order: list[str], per_sample: float
+                 ) -> dict[str, tuple[CutTensor, ...]]:
+    """Per unit: the forward tensors crossing a pipeline cut placed just before it (see `Unit.cut`),
+    in the order their producers ran. A tensor is recomputable when no parameter flows into it (the
+    runtime's stages recompute those)."""
+    position = {unit: i for i, unit in enumerate(order)}
+    forward = [node for node in graph.nodes if node.phase == "forward"]
+    recomputable: set[str] = set()
+    from_params: set[str] = set()
+    from_inputs: set[str] = set()
+    for node in forward:
+        names = node.inputs
+        if all(n in recomputable or n.startswith(("input:", "buffer:", "const:")) for n in names):
+            recomputable.add(node.name)
+        if any(n.startswith("param:") or n in from_params for n in names):
+            from_params.add(node.name)
+        if any(n.startswith("input:") or n in from_inputs for n in names):
+            from_inputs.add(node.name)
+    produced_at = {node.name: position[unit_of[node.name]] for node in forward}
+    last_read: dict[tuple, int] = {}  # (producer, shape, dtype) -> the last unit reading it
+    for node in forward:
+        reader = position[unit_of[node.name]]
+        for name, meta in zip(node.input_names or node.inputs, node.input_meta):
+            if name in produced_at and name not in recomputable and produced_at[name] < reader:
+                key = (name, meta.shape, meta.dtype)
+                last_read[key] = max(last_read.get(key, reader), reader)
+    result: dict[str, list[CutTensor]] = {}
+    for (name, shape, dtype), reader in sorted(last_read.items(), key=lambda item: produced_at[item[0][0]]):
+        batched = name in from_inputs
+        size = TensorMeta(shape=shape, dtype=dtype).bytes * (per_sample if batched else 1.0)
+        tensor = CutTensor(size, dtype in _FLOATING and name in from_params, batched)
+        for cut in range(produced_at[name] + 1, reader + 1):
+            result.setdefault(order[cut], []).append(tensor)
+    return {unit: tuple(tensors) for unit, tensors in result.items()}
 
 
 def _param_tp_dims(graph: OpGraph, status: dict[str, tuple[str, float]], sharded: set[str]) -> dict[str, int]:

@@ -27,7 +27,8 @@ from autopar.runtime.compile import compile_blocks
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, set_microbatch_boundary
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
-from autopar.runtime.pipeline import build_schedule, check_stage_cover, stage_module, tied_pp_ranks
+from autopar.runtime.pipeline import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
+                                     tied_gradient_groups)
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, capabilities_for, default_head_path, tp_placement
@@ -91,9 +92,7 @@ class ParallelModel:
             if self.schedule is not None:
                 losses: list[torch.Tensor] = []
                 with autocast(self.precision, self.layout.device, fsdp):
-                    args = (local,) if self.is_first_stage() else ()
-                    kwargs = {"target": local, "losses": losses} if self.is_last_stage() else {}
-                    self.schedule.step(*args, **kwargs)
+                    self.schedule.step(local, losses)
                 for loss in losses:
                     total += _local_value(loss.detach())
                 return total
@@ -238,11 +237,14 @@ def _local_value(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 0, precision: str = "fp32",
-                head_path: str | None = None, compile: bool = False) -> ParallelModel:
+                head_path: str | None = None, compile: bool = False,
+                example_inputs: tuple[torch.Tensor, ...] | None = None) -> ParallelModel:
     """Shard `model` (on meta, or with real weights) as `plan` says, on the running process group.
 
     `loss_fn(output, input_ids)` is the training loss; every rank calls this with the same arguments.
-    `compile`: torch.compile each block's forward (runtime/compile.py).
+    `compile`: torch.compile each block's forward (runtime/compile.py). `example_inputs`: the model's
+    inputs (any batch, any device, meta included) for pipeline stages to capture the forward at the
+    micro-batch shape; by default the plan's `model_inputs`.
     """
     fingerprint = model_fingerprint(model)
     if plan.provenance.model_fingerprint != fingerprint:
@@ -254,7 +256,10 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     unsupported = capabilities_for(model).supports(s)
     if unsupported:
         raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
-    check_stage_cover(model, plan)
+    cut = None
+    if s.pp > 1:  # the forward captured (on fake tensors) and cut into stages, before any collective
+        cut = cut_pipeline(model, plan, microbatch_inputs(plan, example_inputs), loss_fn)
+        check_stage_cover(model, cut)
     placements = {name: tp_placement(text) for name, text in plan.param_placements.items()}
     head_path = head_path if head_path is not None else default_head_path(model)
     layout = build_layout(plan)  # 1. mesh (checks the world size before any collective)
@@ -264,9 +269,10 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
 
     stage_paths = {stage.index: stage.module_paths for stage in plan.stages}
     modules: list[nn.Module] = []
+    shared: dict = {}  # this rank's stages share the copies of what they share (a tied weight)
     for index in layout.stage_indices:
         # 2. pipeline stage: the modules of this stage only (the whole model when pp=1)
-        module = stage_module(model, stage_paths[index]) if s.pp > 1 else copy.deepcopy(model)
+        module = cut.stage_module(model, index, layout.device, shared) if cut else copy.deepcopy(model)
         # 3. tensor / sequence parallel over the tp axis
         if s.tp > 1:
             apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path,
@@ -288,11 +294,11 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         source.canonical(f"{head_path}.weight"), "R") == "S(0)"
     parallel = ParallelModel(plan=plan, layout=layout, modules=modules, loss_fn=loss_fn, precision=precision,
                              vocab_parallel_loss=vocab_parallel)
-    parallel.tied_groups = _tied_groups(model, plan, layout)
     parallel.canonical = dict(source.alias)
     buckets = s.zero == 0 and layout.size("dp") > 1
-    if s.pp > 1:  # 7. the pipeline schedule over this rank's stages
-        parallel.schedule = build_schedule(modules, layout.stage_indices, len(plan.stages), layout.device,
+    if cut is not None:  # 7. the pipeline schedule over this rank's stages
+        parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters())
+        parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
                                            layout.group("pp"), s.schedule, s.num_microbatches, loss_fn,
                                            scale_grads=not buckets)
     if buckets:  # 8. dp sync in buckets, overlapped with the last backward (they average over micro-batches too)
@@ -320,28 +326,3 @@ def _innermost(blocks: list[str]) -> list[str]:
     """Blocks that contain no other block: a container of layers (Hugging Face's `model` around
     `model.layers.N`) is not a unit of its own; its other parameters join the root unit."""
     return [b for b in blocks if not any(o != b and o.startswith(b + ".") for o in blocks)]
-
-
-def _tied_groups(model: nn.Module, plan: Plan, layout: RankLayout) -> list[tuple[str, dist.ProcessGroup, list[int]]]:
-    """Process groups summing the gradients of weights tied across pipeline ranks (embedding and head)."""
-    groups = []
-    stage_size = layout.size("dp") * layout.size("tp")
-    offset = layout.dp_rank * layout.size("tp") + layout.tp_rank
-    local_names = set()
-    for index in layout.stage_indices:
-        for path in next(st.module_paths for st in plan.stages if st.index == index):
-            local_names.add(path)
-    by_name = dict(model.named_parameters())
-    for name, pp_ranks in tied_pp_ranks(model, plan).items():
-        aliases = [n for n, p in model.named_parameters(remove_duplicate=False) if p is by_name[name]]
-        mine = None
-        for position in range(stage_size):  # every rank creates every group, in the same order
-            ranks = [r * stage_size + position for r in pp_ranks]
-            group = dist.new_group(ranks)
-            if position == offset and layout.pp_rank in pp_ranks:
-                mine = group
-        if mine is not None:
-            here = [a for a in aliases if any(a.startswith(p + ".") for p in local_names)]
-            for alias in here:
-                groups.append((alias, mine, pp_ranks))
-    return groups

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph
-from autopar.plan_schema import CollectiveRecord, MeshAxis, Plan, PredictedMetrics, Provenance, StagePlan
+from autopar.plan_schema import CollectiveRecord, MeshAxis, ModelInput, Plan, PredictedMetrics, Provenance, StagePlan
 from autopar.cost_models.collectives import placed_units, step_collectives
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.recompute import recomputed_units
@@ -14,19 +14,16 @@ from autopar.searcher.search import Candidate, planned_tp_placements
 def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster: ClusterSpec) -> Plan:
     s = candidate.strategy
     evaluation = candidate.evaluation
-    module_of = {node.name: node.module_path for node in graph.nodes}
+    owned = _unit_modules(graph, facts)
     stage_size = s.dp * s.tp
     stages = []
     for index, units in enumerate(candidate.stages):
         rank = index % s.pp
         paths: list[str] = []
         for unit in units:
-            if unit.layer_type is not None:
-                paths.append(unit.name)
-            else:
-                paths.extend(_top_modules(module_of.get(op.name, "") for op in unit.forward_ops))
+            paths.extend([unit.name] if unit.layer_type is not None else owned.get(unit.name, []))
         stages.append(StagePlan(
-            index=index, module_paths=list(dict.fromkeys(paths)),
+            index=index, module_paths=list(dict.fromkeys(paths)), units=[unit.name for unit in units],
             device_ids=list(range(rank * stage_size, (rank + 1) * stage_size)), mesh_shape={"dp": s.dp, "tp": s.tp},
         ))
     # ZeRO 1-3 run on FSDP2: parameters rest sharded over dp (gathered for compute; zero 3 also frees them after forward)
@@ -41,6 +38,7 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
         param_placements=param_placements,
         op_placements=_op_placements(candidate.op_placements, s.dp),
         recompute_modules=recompute,
+        model_inputs=[ModelInput(shape=list(meta.shape[1:]), dtype=meta.dtype) for meta in graph.inputs],
         predicted=PredictedMetrics(
             step_time_s=evaluation.step_time_s, tokens_per_s=evaluation.tokens_per_s,
             tflops_per_gpu=evaluation.tflops_per_gpu, mfu=min(evaluation.mfu, 1.0),
@@ -54,14 +52,37 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
     )
 
 
-def _top_modules(paths) -> list[str]:
-    """The outermost module paths among `paths` (ops at the top level have no module and are skipped)."""
-    unique = sorted({p for p in paths if p})
-    kept: list[str] = []
-    for path in unique:
-        if not any(path == k or path.startswith(k + ".") for k in kept):
+def _unit_modules(graph: OpGraph, facts: ModelFacts) -> dict[str, list[str]]:
+    """Per non-layer unit, the modules it runs whole: the outermost ones owning weights whose forward
+    ops all belong to that unit (an embedding, a final norm, a head; not a container whose forward
+    also runs layers, nor a module called from two units, whose weights that code reads directly)."""
+    unit_of = {op.name: unit.name for unit in facts.units for op in unit.forward_ops}
+    units_under: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        if node.phase != "forward" or node.name not in unit_of:
+            continue
+        path = node.module_path
+        while path:
+            units_under.setdefault(path, set()).add(unit_of[node.name])
+            path = path.rpartition(".")[0]
+    weighted = set()
+    for param in graph.params:
+        for name in [param.name, *param.aliases]:
+            path = name.rpartition(".")[0]
+            while path:
+                weighted.add(path)
+                path = path.rpartition(".")[0]
+    layers = {unit.name for unit in facts.units if unit.layer_type is not None}
+    result: dict[str, list[str]] = {}
+    for path in sorted(units_under):
+        units = units_under[path]
+        if len(units) != 1 or path not in weighted or next(iter(units)) in layers:
+            continue
+        unit = next(iter(units))
+        kept = result.setdefault(unit, [])
+        if not any(path.startswith(k + ".") for k in kept):
             kept.append(path)
-    return kept
+    return result
 
 
 def _op_placements(tp_placements: dict[str, str], dp: int) -> dict[str, str]:

@@ -7,6 +7,7 @@ every plan in turn on the same process group and writes its losses and gathered 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import socket
 import tempfile
