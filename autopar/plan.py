@@ -185,6 +185,9 @@ class Plan(_Record):
     param_placements: dict[str, Placements] = {}
     op_placements: dict[str, Placements] = {}
     recompute_modules: list[str] = []
+    # How the runtime realizes the tp placements: "modules" (Megatron-style module rules) or "dtensor"
+    # (DTensor through the model's own forward); the search costed this one (`autopar.capabilities`).
+    tp_realization: Literal["modules", "dtensor"] = "modules"
     predicted: PredictedMetrics | None = None
     provenance: Provenance
 

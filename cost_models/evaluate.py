@@ -85,12 +85,14 @@ def evaluate(
     vocab: int | None = None,
     recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
     overlap_grad_sync: bool = True,
+    tp_step: tuple[tuple[str, float], ...] = (),
 ) -> Evaluation:
     """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates);
     `stages` overrides the even split of layers with a searched partition (pp·vp lists of units).
     `vocab` and `recompute_repeats` mean what they mean to `step_collectives` (a head with logits
     sharded over the vocabulary; what full recompute resends under per-parameter placements), so
-    a plan's tp communication is priced from the same collectives its ledger lists."""
+    a plan's tp communication is priced from the same collectives its ledger lists; so is `tp_step`
+    (tp collectives once per step after backward, from a dry run; pp = 1)."""
     s = strategy
     dtype = facts.precision
     gpu = cluster.gpu
@@ -222,6 +224,8 @@ def evaluate(
         rank_units = [u for i in rank_stages[rank] for u in stages_units[i]]
         exposed += sum(calls * collective_time_s("all_reduce", size, tp_layout, cluster)
                        for size, calls in sequence_parallel_gradient_reductions(rank_units, s))
+        if s.tp > 1:
+            exposed += sum(collective_time_s(kind, size, tp_layout, cluster) for kind, size in tp_step)
         if tied_ranks[rank]["summed"]:  # as the ledger sends it: after backward, nothing to hide behind
             tied_bytes = tied_ranks[rank]["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES
             exposed += collective_time_s("all_reduce", tied_bytes, tied_layout, cluster)

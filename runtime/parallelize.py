@@ -24,13 +24,14 @@ from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan import Plan
 from autopar.runtime.compile import compile_blocks
+from autopar.runtime.dtensor_tp import step_context as dtensor_step_context
 from autopar.runtime.data_parallel import all_reduce_gradients, apply_fsdp, set_microbatch_boundary
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.pipeline import build_schedule, check_stage_cover, stage_module, tied_pp_ranks
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.tensor_parallel import apply_tensor_parallel, capabilities_for, default_head_path, tp_placement
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ParallelModel:
     tied_groups: list[tuple[str, dist.ProcessGroup, list[int]]] = field(default_factory=list)  # (alias, group, pp ranks)
     vocab_parallel_loss: bool = False
     canonical: dict[str, str] = field(default_factory=dict)  # alias of a tied weight -> its first name
+    step_context: Callable = contextlib.nullcontext  # entered around each micro-batch's forward and backward
 
     @property
     def strategy(self):
@@ -86,7 +88,7 @@ class ParallelModel:
         loss_context = loss_parallel if self.vocab_parallel_loss else contextlib.nullcontext
         total = torch.zeros((), device=self.layout.device)
         fsdp = s.zero >= 1
-        with loss_context():
+        with loss_context(), self.step_context():
             if self.schedule is not None:
                 losses: list[torch.Tensor] = []
                 with autocast(self.precision, self.layout.device, fsdp):
@@ -249,7 +251,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
             f"({plan.provenance.model_name}), this model is {fingerprint}: re-run `autopar plan` for this model"
         )
     s = plan.strategy
-    unsupported = capabilities_for(model).supports(s)
+    unsupported = plan_refusal(model, plan)
     if unsupported:
         raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
     check_stage_cover(model, plan)
@@ -268,7 +270,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 3. tensor / sequence parallel over the tp axis
         if s.tp > 1:
             apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path,
-                                  vocab_parallel_loss=s.pp == 1)
+                                  vocab_parallel_loss=s.pp == 1, realization=plan.tp_realization)
         # 4. recompute the planned modules
         apply_recompute(module, plan.recompute_modules, s.recompute)
         blocks = _innermost([p for p in stage_paths[index] if _is_block(module, p)])
@@ -284,8 +286,10 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     # Pipeline schedules pass plain tensors between stages and to the loss: logits are gathered there.
     vocab_parallel = s.tp > 1 and s.pp == 1 and head_path is not None and placements.get(
         source.canonical(f"{head_path}.weight"), "R") == "S(0)"
+    dtensor = s.tp > 1 and plan.tp_realization == "dtensor"
     parallel = ParallelModel(plan=plan, layout=layout, modules=modules, loss_fn=loss_fn, precision=precision,
-                             vocab_parallel_loss=vocab_parallel)
+                             vocab_parallel_loss=vocab_parallel or dtensor,
+                             step_context=dtensor_step_context if dtensor else contextlib.nullcontext)
     parallel.tied_groups = _tied_groups(model, plan, layout)
     parallel.canonical = dict(source.alias)
     if s.pp > 1:  # 7. the pipeline schedule over this rank's stages

@@ -46,9 +46,11 @@ def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_ba
 
 
 def plan_for(module, example_inputs, loss_fn, *, name: str, seq_len: int, heads: int, kv_heads: int, vocab: int,
-             strategy: dict, world: int, global_batch: int, use_ilp: bool = False):
+             strategy: dict, world: int, global_batch: int, use_ilp: bool = False, dry_run: bool = False):
     """`make_plan` for any module (not only the zoo's): trace, search under the runtime's capabilities
-    for this module, build the plan: the path a user's own model takes."""
+    for this module, build the plan: the path a user's own model takes. With `dry_run`, tensor
+    parallelism is decided and priced by dry runs of the placements (`capabilities_for` given the
+    example input and the loss)."""
     from autopar.cluster import load_cluster
     from autopar.graph import trace
     from autopar.cost_models.facts import model_facts
@@ -59,8 +61,9 @@ def plan_for(module, example_inputs, loss_fn, *, name: str, seq_len: int, heads:
     graph = trace(module, example_inputs, loss_fn=loss_fn, precision="fp32", name=name, seq_len=seq_len)
     facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
     cluster = load_cluster("dgx-h100", gpus=world)
-    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp,
-                    capabilities=capabilities_for(module))
+    capabilities = (capabilities_for(module, example_inputs[0], loss_fn) if dry_run
+                    else capabilities_for(module))
+    result = search(graph, facts, cluster, global_batch, fixed=strategy, use_ilp=use_ilp, capabilities=capabilities)
     chosen = result.best or result.ranked[0]
     for key, value in strategy.items():
         assert getattr(chosen.strategy, key) == value, (key, chosen.strategy)
