@@ -58,6 +58,11 @@ class TpRealization:
     name: str | None
     reason: str | None = None
     collectives: tuple[TpCollective, ...] = ()
+    failed_module: str | None = None  # where DTensor's dry run failed (innermost module; "" the root)
+    # The placements that run, when the realizer had to keep some modules' parameters replicated
+    # (DTensor could not shard them: `notes` says which and why); None: the placements asked for.
+    placements: dict[str, str] | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def runs(self) -> bool:

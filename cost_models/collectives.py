@@ -53,7 +53,7 @@ LOSS_PARALLEL_REDUCTIONS = 3  # max, sum of exponentials, target logit: one valu
 def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: str, pp_rank: int, *,
                      seq_len: int, vocab: int | None = None, clip_grad_norm: bool = True,
                      recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
-                     tp_step: Sequence[tuple[str, float]] = (),
+                     tp_step: Sequence[tuple[str, float]] = (), selective_repeats: bool = False,
                      ) -> dict[tuple[str, str], tuple[int, float]]:
     """{(axis, kind): (calls, bytes)} one step sends on pipeline rank `pp_rank`.
 
@@ -62,6 +62,8 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
     bytes per sample) replaces the Megatron-layout rule of `recomputed_reductions`, for layouts
     given by per-parameter placements (`placed_units`, `dry_run_units`). `tp_step` lists tp
     collectives sent once per step after the last backward (a dry run's gradient synchronization).
+    `selective_repeats`: `recompute_repeats` are resent under selective recompute too (a dry run saw
+    selective recompute repeat collectives DTensor issues inside an op, which it cannot save).
     """
     s = strategy
     tied = tied_across_ranks(stages, s.pp, s.tp)[pp_rank]
@@ -91,7 +93,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                             add("tp", "all_reduce", size, m)
                     for kind, size in op.collectives:
                         add("tp", kind, size * b, m)
-                if policy == "full":
+                if policy == "full" or (policy == "selective" and selective_repeats and recompute_repeats):
                     repeats = (recomputed_reductions(unit, b, s.sp) if recompute_repeats is None
                                else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())])
                     for kind, size, times in repeats:
@@ -226,6 +228,7 @@ class PlacedLayout:
     vocab_parallel_head: bool  # the head's logits come out sharded over the vocabulary (and `step_collectives`
     # adds the gathering or the loss's reductions; a dry run's layout lists those among its own)
     step: tuple[tuple[str, float], ...] = ()  # tp collectives (kind, bytes) sent once per step
+    selective_repeats: bool = False  # `recompute_repeats` hold under selective recompute too (see step_collectives)
 
 
 def placed_units(graph: OpGraph, units: Sequence[Unit], tp_placements: dict[str, str], microbatch: int) -> PlacedLayout:
@@ -301,14 +304,15 @@ def placed_units(graph: OpGraph, units: Sequence[Unit], tp_placements: dict[str,
 
 
 def dry_run_units(graph: OpGraph, units: Sequence[Unit], collectives: Sequence, tp_placements: dict[str, str],
-                  microbatch: int) -> PlacedLayout:
+                  microbatch: int, recompute_policy: str = "full") -> PlacedLayout:
     """Units carrying exactly the tp collectives a dry run of the placements recorded
     (`runtime.tp_dry_run`: each `autopar.capabilities.TpCollective` with its phase and module),
     for a micro-batch of `microbatch` samples, as `step_collectives` and the evaluator read them.
 
     Each forward (backward) collective is carried by a forward (backward) op of the unit holding
     the module that sent it (the innermost module the graph knows; the root's, the loss's, go to
-    the last unit), in bytes per sample; recomputation's, per recomputed layer; the step's once.
+    the last unit), in bytes per sample; recomputation's (under `recompute_policy`), per recomputed
+    layer; the step's once.
     The work each op does is left as the units give it (`model_facts` under these shards)."""
     unit_of = {op.name: unit.name for unit in units for op in unit.ops}
     unit_of_module: dict[str, str] = {}
@@ -343,7 +347,8 @@ def dry_run_units(graph: OpGraph, units: Sequence[Unit], collectives: Sequence, 
         else:
             moves.setdefault(carrier[(unit, record.phase)], []).append((record.kind, record.bytes / microbatch, False))
     placed = _with_moves_and_shards(graph, units, unit_of, tp_placements, moves, microbatch)
-    return PlacedLayout(placed, {unit: tuple(items) for unit, items in repeats.items()}, False, tuple(step))
+    return PlacedLayout(placed, {unit: tuple(items) for unit, items in repeats.items()}, False, tuple(step),
+                        selective_repeats=recompute_policy == "selective")
 
 
 def dry_run_ledger(collectives: Sequence, microbatches: int, recomputed: set[str] | frozenset[str] = frozenset()

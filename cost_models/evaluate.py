@@ -86,13 +86,14 @@ def evaluate(
     recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
     overlap_grad_sync: bool = True,
     tp_step: tuple[tuple[str, float], ...] = (),
+    selective_repeats: bool = False,
 ) -> Evaluation:
     """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates);
     `stages` overrides the even split of layers with a searched partition (pp·vp lists of units).
     `vocab` and `recompute_repeats` mean what they mean to `step_collectives` (a head with logits
     sharded over the vocabulary; what full recompute resends under per-parameter placements), so
-    a plan's tp communication is priced from the same collectives its ledger lists; so is `tp_step`
-    (tp collectives once per step after backward, from a dry run; pp = 1)."""
+    a plan's tp communication is priced from the same collectives its ledger lists; so are `tp_step`
+    (tp collectives once per step after backward, from a dry run; pp = 1) and `selective_repeats`."""
     s = strategy
     dtype = facts.precision
     gpu = cluster.gpu
@@ -143,6 +144,9 @@ def evaluate(
             largest_full_layer = full
         elif policy == "selective":
             recompute_extra = t.forward_vector_s
+            if selective_repeats and recompute_repeats and s.tp > 1:
+                recompute_extra += sum(collective_time_s(kind, size * b, tp_layout, cluster)
+                                       for kind, size in recompute_repeats.get(unit.name, ()))
             largest_full_layer = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective")
         part = (t.forward_s, t.backward_s, forward_comm, backward_comm, recompute_extra, largest_full_layer,
                 unit_activation_bytes(unit, b, s.tp, s.sp, policy), unit.params_on_device(s.tp))

@@ -49,6 +49,7 @@ class DryRun:
 
     reason: str | None  # None: it ran
     collectives: tuple[TpCollective, ...] = ()
+    failed_module: str | None = None  # the innermost module running when it failed ("" the root)
 
     @property
     def ok(self) -> bool:
@@ -87,11 +88,13 @@ def _here(model: nn.Module, example_input: torch.Tensor, loss_fn: Callable, spec
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec.tp)
     try:
         mesh = init_device_mesh("cpu", (spec.tp,), mesh_dim_names=("tp",))
+        phase = _Phase()
         try:
             with _strided_shard_offsets_on_real_tensors():
-                return _step(module, example_input, loss_fn, spec, mesh, FakeTensorMode(allow_non_fake_inputs=True))
+                return _step(module, example_input, loss_fn, spec, mesh, FakeTensorMode(allow_non_fake_inputs=True),
+                             phase)
         except Exception as error:  # any failure of the model's code under this sharding is the answer
-            return DryRun(reason=_one_line(error))
+            return DryRun(reason=_one_line(error), failed_module=phase.failed_at())
     finally:
         dist.destroy_process_group()
 
@@ -117,7 +120,7 @@ def _strided_shard_offsets_on_real_tensors():
         _StridedShard.local_shard_size_and_offset = original
 
 
-def _step(module, example_input, loss_fn, spec: DryRunSpec, mesh, fake_mode) -> DryRun:
+def _step(module, example_input, loss_fn, spec: DryRunSpec, mesh, fake_mode, phase: "_Phase") -> DryRun:
     from autopar.runtime.recompute import apply_recompute
 
     placements = dict(spec.placements)
@@ -130,7 +133,6 @@ def _step(module, example_input, loss_fn, spec: DryRunSpec, mesh, fake_mode) -> 
 
         apply_tensor_parallel(module, mesh, placements, sp=spec.sp, head_path=spec.head_path,
                               vocab_parallel_loss=spec.vocab_parallel_loss)
-    phase = _Phase()
     for path in spec.recompute:
         _mark_recompute(module.get_submodule(path), path, phase)
     apply_recompute(module, list(spec.recompute), spec.recompute_policy if spec.recompute else "none")
@@ -151,7 +153,7 @@ def _run(module, x, loss_fn, spec: DryRunSpec, phase: "_Phase") -> DryRun:
     loss_context = loss_parallel if spec.vocab_parallel_loss else contextlib.nullcontext
     counter = _RecordingCounter({frozenset(range(spec.tp)): "tp"}, phase)
     per_microbatch: list[list[TpCollective]] = []
-    with counter, phase.tracker:
+    with counter, phase.tracker, phase.forward_stack(module):
         for _ in range(2):  # the second micro-batch accumulates into the first's gradients
             start = len(counter.records)
             with loss_context(), context():
@@ -184,6 +186,32 @@ class _Phase:
         self.name = "forward"
         self.recomputing: list[str] = []
         self.tracker = ModTracker()
+        self.stack: list[str] = []  # modules whose forward began and has not returned (kept on an error)
+
+    @contextlib.contextmanager
+    def forward_stack(self, root: nn.Module):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        names = {id(module): path for path, module in reversed(list(root.named_modules(remove_duplicate=False)))}
+
+        def enter(module, _args):
+            if id(module) in names:
+                self.stack.append(names[id(module)])
+
+        def leave(module, _args, _output):
+            if id(module) in names and self.stack:
+                self.stack.pop()
+
+        handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def failed_at(self) -> str:
+        """Where an error stopped the step: the innermost forward it left unfinished, else as `module`."""
+        return self.stack[-1] if self.stack else self.module()
 
     def module(self) -> str:
         if self.recomputing:
@@ -281,14 +309,16 @@ def _in_subprocess(model: nn.Module, example_input: torch.Tensor, loss_fn: Calla
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             return DryRun(reason=f"the tp dry run's subprocess failed ({last[:300]})")
         data = json.loads(result.read_text())
-        return DryRun(reason=data["reason"], collectives=tuple(TpCollective(**c) for c in data["collectives"]))
+        return DryRun(reason=data["reason"], collectives=tuple(TpCollective(**c) for c in data["collectives"]),
+                      failed_module=data["failed_module"])
 
 
 def _main(payload: str, result: str) -> None:
     # Our own file, written by the parent a moment ago (it holds the user's model classes by reference).
     data = torch.load(payload, weights_only=False)
     outcome = _here(data["model"], data["example"], data["loss_fn"], data["spec"])
-    Path(result).write_text(json.dumps(dict(reason=outcome.reason, collectives=[asdict(c) for c in outcome.collectives])))
+    Path(result).write_text(json.dumps(dict(reason=outcome.reason, failed_module=outcome.failed_module,
+                                            collectives=[asdict(c) for c in outcome.collectives])))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ run recorded; when neither runs, the last failure is the one-line reason for the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 
 from autopar.capabilities import TpRealization
 from autopar.runtime.tp_dry_run import DTENSOR, MODULES, DryRunSpec, dry_run
+
+MAX_REPLICATED_MODULES = 4
 
 
 class TensorParallelRealizer:
@@ -46,12 +49,46 @@ class TensorParallelRealizer:
 
     def __call__(self, placements: dict[str, str], tp: int, sp: bool, microbatch: int,
                  recompute_policy: str = "none", recompute_paths: tuple[str, ...] = ()) -> TpRealization:
-        placements = self._every_alias(placements)
+        """The realization of `placements` (by the names the plan uses); where DTensor fails inside a
+        module, that module's sharded parameters are kept replicated and the dry run repeated, up to
+        `MAX_REPLICATED_MODULES` times (the result then carries the placements that run, and notes)."""
         recompute = tuple(recompute_paths) if recompute_policy != "none" else ()
-        key = (tp, frozenset(placements.items()), sp, microbatch, recompute_policy if recompute else "none", recompute)
+        policy = recompute_policy if recompute else "none"
+        notes: list[str] = []
+        current = dict(placements)
+        for _ in range(MAX_REPLICATED_MODULES + 1):
+            realization = self._cached(current, tp, sp, microbatch, policy, recompute)
+            replicated = None if realization.runs else self._replicable(realization.failed_module, current)
+            if replicated is None:
+                break
+            module, names = replicated
+            current.update({name: "R" for name in names})
+            notes.append(f"{module or 'the root'} keeps its parameters replicated: DTensor cannot shard it "
+                         f"({realization.reason})")
+        if current == placements:
+            return realization
+        return dataclasses.replace(realization, placements=current, notes=tuple(notes))
+
+    def _cached(self, placements, tp, sp, microbatch, policy, recompute) -> TpRealization:
+        placements = self._every_alias(placements)
+        key = (tp, frozenset(placements.items()), sp, microbatch, policy, recompute)
         if key not in self._cache:
-            self._cache[key] = self._realize(placements, tp, sp, microbatch, recompute_policy, recompute)
+            self._cache[key] = self._realize(placements, tp, sp, microbatch, policy, recompute)
         return self._cache[key]
+
+    def _replicable(self, module: str | None, placements: dict[str, str]) -> tuple[str, list[str]] | None:
+        """(module, its sharded parameters by the plan's names): the innermost module around where the
+        dry run failed that holds sharded parameters, or None (nothing left to replicate but the root's)."""
+        if not module:
+            return None
+        while module:
+            prefix = module + "."
+            names = sorted({self.aliases.get(alias, alias) for alias in self.aliases if alias.startswith(prefix)})
+            names = [name for name in names if placements.get(name, "R") != "R"]
+            if names:
+                return module, names
+            module = module.rpartition(".")[0]
+        return None
 
     def _realize(self, placements, tp, sp, microbatch, policy, recompute) -> TpRealization:
         from autopar.runtime.tensor_parallel import check_tp_placements, tensor_parallel_refusal
@@ -73,7 +110,7 @@ class TensorParallelRealizer:
         outcome = self._run(DryRunSpec(realization=DTENSOR, vocab_parallel_loss=True, **common))
         if outcome.ok:
             return TpRealization(DTENSOR, None, outcome.collectives)
-        return TpRealization(None, outcome.reason)
+        return TpRealization(None, outcome.reason, failed_module=outcome.failed_module)
 
     def _run(self, spec: DryRunSpec):
         self.dry_runs += 1

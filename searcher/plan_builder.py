@@ -77,9 +77,10 @@ def _predicted_collectives(candidate: Candidate, graph: OpGraph, facts: ModelFac
     """Per pipeline rank, the step's ledger. The ILP's plans run per-parameter placements (module by
     module, see `placed_units`), so their tp traffic follows those placements, not the ILP's op facts."""
     s = candidate.strategy
-    stages, vocab, repeats, tp_step = candidate.stages, facts.vocab, None, ()
+    stages, vocab, repeats, tp_step, selective = candidate.stages, facts.vocab, None, (), False
     if candidate.tp_layout is not None:  # priced from a dry run: its units carry every tp collective
-        vocab, repeats, tp_step = None, candidate.tp_layout.recompute_repeats, candidate.tp_layout.step
+        layout = candidate.tp_layout
+        vocab, repeats, tp_step, selective = None, layout.recompute_repeats, layout.step, layout.selective_repeats
     elif candidate.op_placements and s.tp > 1 and not s.sp:
         placed = placed_units(graph, facts.units, tp_placements, s.microbatch)
         stages = [[placed.units[unit.name] for unit in units] for units in candidate.stages]
@@ -88,7 +89,7 @@ def _predicted_collectives(candidate: Candidate, graph: OpGraph, facts: ModelFac
     result = []
     for rank in range(s.pp):
         ledger = step_collectives(stages, s, facts.precision, rank, seq_len=facts.seq_len, vocab=vocab,
-                                  recompute_repeats=repeats, tp_step=tp_step)
+                                  recompute_repeats=repeats, tp_step=tp_step, selective_repeats=selective)
         result.append([CollectiveRecord(axis=axis, kind=kind, calls=calls, bytes=round(size))
                        for (axis, kind), (calls, size) in ledger.items()])
     return result

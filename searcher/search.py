@@ -51,6 +51,7 @@ class Candidate:
     param_placements: dict[str, str] = field(default_factory=dict)  # tp-axis placement per parameter
     tp_realization: str = "modules"  # how the runtime realizes its tp (`autopar.capabilities.TpRealization`)
     tp_layout: PlacedLayout | None = None  # the tp collectives it was priced with, when not Megatron's analytic ones
+    tp_notes: tuple[str, ...] = ()  # modules kept replicated because DTensor cannot shard them, and why
 
     @property
     def strategy(self) -> Strategy:
@@ -305,22 +306,24 @@ class _Refiner:
         realization = self.capabilities.tp_realization(planned, s.tp, s.sp, s.microbatch, s.recompute, paths)
         if not realization.runs:
             return None
+        planned = realization.placements if realization.placements is not None else planned
         if s.sp or s.pp > 1:
             if realization.name != "modules":
                 return None
+            if realization.placements is not None:
+                return None  # the graph's Megatron layout prices all of it sharded
             candidate = self._refine_with(s, list(self.facts.units), op_placements, planned if choice else {},
                                           vocab=head_vocab(self.facts, s))
             if s.pp == 1 and not _same_tp_ledger(candidate, realization, self.facts):
                 return None
             return candidate
-        if any(c.phase == "recompute" for c in realization.collectives) and s.recompute != "full":
-            return None  # only full recompute's resent collectives are priced
         layout = dry_run_units(self.graph, self._sharded_facts(planned).units, realization.collectives, planned,
-                               s.microbatch)
+                               s.microbatch, s.recompute)
         units = [layout.units[unit.name] for unit in self.facts.units]
         candidate = self._refine_with(s, units, op_placements, planned, repeats=layout.recompute_repeats,
-                                      tp_step=layout.step)
-        return dataclasses.replace(candidate, tp_realization=realization.name, tp_layout=layout)
+                                      tp_step=layout.step, selective_repeats=layout.selective_repeats)
+        return dataclasses.replace(candidate, tp_realization=realization.name, tp_layout=layout,
+                                   tp_notes=realization.notes)
 
     def _sharded_facts(self, planned: dict[str, str]) -> ModelFacts:
         """Facts whose ops' work divides over tp as these placements shard the matrices."""
@@ -336,7 +339,7 @@ class _Refiner:
         return placed_units(self.graph, self._sharded_facts(planned).units, planned, microbatch)
 
     def _refine_with(self, strategy: Strategy, units, op_placements, param_placements, *, vocab=None,
-                     repeats=None, tp_step=()) -> Candidate:
+                     repeats=None, tp_step=(), selective_repeats=False) -> Candidate:
         """Evaluated on the even split and on the DP's partition, each with the fewest recomputed
         layers that fit it (counts fitted on the quick ranking's estimate are fitted again here)."""
         facts = dataclasses.replace(self.facts, units=tuple(units))
@@ -346,7 +349,8 @@ class _Refiner:
         def evaluated(stages: list[list[Unit]]) -> Evaluation:
             def run(trial: Strategy) -> Evaluation:
                 return evaluate(facts, self.cluster, trial, self.global_batch, efficiency=self.efficiency,
-                                stages=stages, vocab=vocab, recompute_repeats=repeats, tp_step=tp_step)
+                                stages=stages, vocab=vocab, recompute_repeats=repeats, tp_step=tp_step,
+                                selective_repeats=selective_repeats)
             return with_fewest_recomputed_layers(run(strategy), stages, run) if fit else run(strategy)
 
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
