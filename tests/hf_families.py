@@ -29,7 +29,27 @@ class Seq2SeqLM(nn.Module):
         return self.model(input_ids=ids, decoder_input_ids=decoder_ids)
 
 
+class AttentionLM(nn.Module):
+    """A plain-torch LM around nn.MultiheadAttention (which DTensor cannot shard per head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        attended, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(self.norm(h + attended))
+
+
 def build(family: str) -> nn.Module:
+    if family == "torch_mha":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            return AttentionLM()
     import transformers
 
     common = dict(vocab_size=VOCAB, use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=1,
@@ -103,8 +123,12 @@ def image_loss(output, pixels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(output.logits.float(), target)
 
 
+def logits_loss(logits, ids: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
 LOSSES = {"gpt2": causal_lm_loss, "gpt_neox": causal_lm_loss, "bert": masked_lm_loss, "t5": causal_lm_loss,
-          "bart": causal_lm_loss, "vit": image_loss}
+          "bart": causal_lm_loss, "vit": image_loss, "torch_mha": logits_loss}
 
 
 def loss_for(family: str):

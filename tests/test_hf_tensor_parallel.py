@@ -38,10 +38,10 @@ def run_family_job(job: dict) -> dict:
     return train_parallel(build(family), loss_for(family), Plan.from_json(job["plan"]), job["data"])
 
 
-def _parity(cases: list[tuple[str, dict]], world: int = 2) -> list:
+def _parity(cases: list[tuple[str, dict]], world: int = 2, use_ilp: bool = False) -> list:
     from test_runtime_parity import _check
 
-    plans = [hf_tp_plan(family, strategy, world) for family, strategy in cases]
+    plans = [hf_tp_plan(family, strategy, world, use_ilp=use_ilp) for family, strategy in cases]
     data = {family: batches(family, GLOBAL_BATCH, STEPS) for family, _ in cases}
     jobs = [dict(plan=plan.to_json(), family=family, data=data[family]) for plan, (family, _) in zip(plans, cases)]
     results = run_plans(world, jobs, runner=run_family_job)
@@ -59,3 +59,23 @@ def test_tp2_parity_fused_qkv_masked_lm_encoder_decoder_vision():
     what its dry run priced."""
     plans = _parity([(family, TP2) for family in ("gpt2", "bert", "t5", "vit")])
     assert [plan.tp_realization for plan in plans] == ["dtensor", "dtensor", "dtensor", "modules"]
+
+
+@pytest.mark.slow
+def test_tp2_parity_more_families_recompute_and_searched_placements():
+    """GPT-NeoX (fused QKV viewed per head: the module rules run it), BART, a plain-torch model around
+    nn.MultiheadAttention (kept replicated, the rest sharded), GPT-2 under full and selective recompute
+    (the collectives DTensor resends in recomputation priced from the dry run)."""
+    cases = [("gpt_neox", TP2), ("bart", TP2), ("torch_mha", TP2),
+             ("gpt2", {**TP2, "recompute": "full"}), ("gpt2", {**TP2, "recompute": "selective"})]
+    plans = _parity(cases)
+    assert [plan.tp_realization for plan in plans] == ["modules", "dtensor", "dtensor", "dtensor", "dtensor"]
+    mha = plans[2].param_placements
+    assert mha["attn.in_proj_weight"] == "RR" and mha["head.weight"] == "RS(0)"
+
+
+@pytest.mark.slow
+def test_tp2_parity_of_the_intra_op_ilp_placements_through_dtensor():
+    """The search with the intra-op ILP on, tp=2 fixed: its proposals are dry-run and priced as they run."""
+    plans = _parity([("gpt2", dict(dp=1, tp=2, pp=1, microbatch=4))], use_ilp=True)
+    assert plans[0].op_placements and plans[0].tp_realization == "dtensor"
