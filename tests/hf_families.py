@@ -45,7 +45,36 @@ class AttentionLM(nn.Module):
         return self.head(self.norm(h + attended))
 
 
+class OddEncoder(nn.Module):
+    """Layouts the module rules refused: a 2-D parameter no matmul reads (a learned start token), a
+    block whose output projection is registered before its fused input projection, which the forward
+    splits after reshaping with the configured head count, and no LM head (the last Linear is an MLP's)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.start = nn.Parameter(torch.randn(1, hidden) * 0.02)
+        self.out_proj = nn.Linear(hidden, hidden)
+        self.qkv_proj = nn.Linear(hidden, 3 * hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, ids):
+        batch, seq = ids.shape
+        h = torch.cat([self.start.expand(batch, 1, -1), self.embed(ids[:, 1:])], dim=1)
+        q, k, v = self.qkv_proj(h).view(batch, seq, self.heads, -1).transpose(1, 2).chunk(3, dim=-1)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.out_proj(attended.transpose(1, 2).reshape(batch, seq, -1))
+        return h + self.down(nn.functional.gelu(self.up(self.norm(h))))
+
+
 def build(family: str) -> nn.Module:
+    if family == "torch_odd":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            return OddEncoder()
     if family == "torch_mha":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
@@ -127,8 +156,15 @@ def logits_loss(logits, ids: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
+def regression_loss(hidden, ids: torch.Tensor) -> torch.Tensor:
+    """No head: the hidden states regress onto a fixed code of each token."""
+    code = torch.sin(ids.unsqueeze(-1).float() * torch.arange(1, hidden.shape[-1] + 1, dtype=torch.float32, device=ids.device) / 7)
+    return nn.functional.mse_loss(hidden.float(), code)
+
+
 LOSSES = {"gpt2": causal_lm_loss, "gpt_neox": causal_lm_loss, "bert": masked_lm_loss, "t5": causal_lm_loss,
-          "bart": causal_lm_loss, "vit": image_loss, "torch_mha": logits_loss}
+          "bart": causal_lm_loss, "vit": image_loss, "torch_mha": logits_loss,
+          "torch_odd": regression_loss}
 
 
 def loss_for(family: str):

@@ -51,14 +51,29 @@ def _parity(cases: list[tuple[str, dict]], world: int = 2, use_ilp: bool = False
     return plans
 
 
-def test_tp2_parity_fused_qkv_masked_lm_encoder_decoder_vision():
+def test_tp2_parity_fused_qkv_masked_lm_encoder_decoder_vision_and_odd_layouts():
     """GPT-2 (a Conv1D fused QKV split after the projection, tied head), BERT (masked LM, tied decoder
-    weight and bias), T5 (encoder-decoder, position-bias tables) run tp=2 through DTensor (the module
-    rules refuse or break on them); ViT (a convolution first, a CLS token no matmul reads) runs under
-    the module rules, which its dry run showed to work. Each trains like one process and sends
-    what its dry run priced."""
-    plans = _parity([(family, TP2) for family in ("gpt2", "bert", "t5", "vit")])
-    assert [plan.tp_realization for plan in plans] == ["dtensor", "dtensor", "dtensor", "modules"]
+    weight and bias), T5 (encoder-decoder, position-bias tables) and a plain-torch encoder with the
+    layouts the module rules refused (see `hf_families.OddEncoder`) run tp=2 through DTensor; ViT
+    (a convolution first, a CLS token no matmul reads) runs under the module rules, which its dry run
+    showed to work. Each trains like one process and sends what its dry run priced."""
+    families = ("gpt2", "bert", "t5", "vit", "torch_odd")
+    plans = _parity([(family, TP2) for family in families])
+    assert [plan.tp_realization for plan in plans] == ["dtensor", "dtensor", "dtensor", "modules", "dtensor"]
+    bert, odd = plans[1].param_placements, plans[4].param_placements
+    # the tied decoder bias follows its weight (vocabulary-sharded), under the name the graph keeps
+    assert bert["bert.embeddings.word_embeddings.weight"] == "RS(0)" and bert["cls.predictions.bias"] == "RS(0)"
+    assert odd["start"] == "RR" and odd["qkv_proj.weight"] == "RS(0)" and odd["out_proj.weight"] == "RS(1)"
+
+
+def test_the_module_rules_refuse_what_dtensor_runs():
+    """Without a dry run (no example input), the static module rules still refuse these models' tp."""
+    from autopar.runtime.tensor_parallel import capabilities_for
+
+    assert "Conv1D" in capabilities_for(build("gpt2")).tensor_parallel_refusal
+    assert "start belongs to a OddEncoder" in capabilities_for(build("torch_odd")).tensor_parallel_refusal
+    with_dry_run = capabilities_for(build("torch_odd"), example_input("torch_odd"), loss_for("torch_odd"))
+    assert with_dry_run.tensor_parallel_refusal is None and with_dry_run.tp_realization is not None
 
 
 @pytest.mark.slow
@@ -79,3 +94,11 @@ def test_tp2_parity_of_the_intra_op_ilp_placements_through_dtensor():
     """The search with the intra-op ILP on, tp=2 fixed: its proposals are dry-run and priced as they run."""
     plans = _parity([("gpt2", dict(dp=1, tp=2, pp=1, microbatch=4))], use_ilp=True)
     assert plans[0].op_placements and plans[0].tp_realization == "dtensor"
+
+
+@pytest.mark.slow
+def test_data_and_tensor_parallel_through_dtensor_world4():
+    """dp=2 × tp=2 on GPT-2 through DTensor, with plain gradient all-reduce and with FSDP2 (ZeRO-3)."""
+    plans = _parity([("gpt2", dict(dp=2, tp=2, pp=1, sp=False, zero=zero, microbatch=2, recompute="none"))
+                     for zero in (0, 3)], world=4)
+    assert [plan.tp_realization for plan in plans] == ["dtensor", "dtensor"]
