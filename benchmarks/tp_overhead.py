@@ -5,8 +5,9 @@ Issue #17 (item 6, for tp): the same tp=2 plan on the zoo GPT, trained on 2 gloo
       column/row-parallel q/k/v/out and fc1/fc2), the loss under `loss_parallel`, gradient clipping;
   (b) autopar, "modules" realization (the module rules; what the search picks where they run);
   (c) autopar, "dtensor" realization (DTensor through the model's own forward), the same plan.
-Each variant: 3 warm-up steps, then `--steps` steps; the median step time per variant (the slower of
-the two ranks) and the ratios b/a and c/a are printed with the machine they ran on. The goal in the
+Each variant: 3 warm-up steps, then `--steps` steps interleaved with the other variants' (one step of
+each in turn); the median step time per variant (the slower of the two ranks) and the ratios b/a and
+c/a are printed with the machine they ran on. The goal in the
 issue is <= 1.05; the CPU figures say what DTensor's per-op dispatch costs where compute is cheap.
 
     python benchmarks/tp_overhead.py [--steps 20] [--model-config layers=2,hidden=256,...] [--json out.json]
@@ -134,12 +135,12 @@ def _worker(rank: int, world: int, port: int, overrides: dict, plans: dict, step
                 for _ in range(WARMUP + steps)]
         variants = {"hand_written": _hand_written_step(overrides),
                     **{name: _autopar_step(overrides, text) for name, text in plans.items()}}
-        times: dict[str, list[float]] = {}
-        for name, step in variants.items():
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for step in variants.values():
             for batch in data[:WARMUP]:
                 step(batch)
-            times[name] = []
-            for batch in data[WARMUP:]:
+        for batch in data[WARMUP:]:  # variants interleaved step by step: a busy machine slows all alike
+            for name, step in variants.items():
                 dist.barrier()
                 started = time.perf_counter()
                 step(batch)

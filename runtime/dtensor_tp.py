@@ -86,10 +86,8 @@ def _meta_dtensor(param: torch.Tensor, mesh: DeviceMesh, placement) -> DTensor:
         dim = placement.dim
         if not 0 <= dim < len(shape):
             raise AutoparError(f"placement S({dim}) over tp names a dimension a {len(shape)}-D parameter lacks")
-        if shape[dim] % mesh.size() != 0:
-            raise AutoparError(f"S({dim}) over tp={mesh.size()} splits a dimension of size {shape[dim]} unevenly")
-        local_shape = list(shape)
-        local_shape[dim] //= mesh.size()
+        local_shape = list(shape)  # torch.chunk's split, as DTensor shards: the last ranks may hold fewer rows
+        local_shape[dim], _ = Shard.local_shard_size_and_offset(shape[dim], mesh.size(), mesh.get_local_rank())
     else:
         local_shape = list(shape)
     local = torch.empty(local_shape, dtype=param.dtype, device="meta")

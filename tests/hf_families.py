@@ -13,6 +13,7 @@ from torch import nn
 
 SEED = 1234
 VOCAB = 96
+ODD_VOCAB = 97
 SEQ = 16
 IMAGE = (3, 16, 16)
 
@@ -83,7 +84,9 @@ def build(family: str) -> nn.Module:
 
     common = dict(vocab_size=VOCAB, use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=1,
                   pad_token_id=0)
-    if family == "gpt2":  # fused QKV in a Conv1D, split after the projection; tied head
+    if family in ("gpt2", "gpt2_vocab97"):  # fused QKV in a Conv1D, split after the projection; tied head
+        if family == "gpt2_vocab97":  # a vocabulary tp does not divide (as GPT-2's 50257)
+            common["vocab_size"] = ODD_VOCAB
         config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0,
                                          embd_pdrop=0.0, attn_pdrop=0.0, **common)
         cls = transformers.GPT2LMHeadModel
@@ -131,7 +134,11 @@ def batches(family: str, global_batch: int, steps: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(SEED + 1)
     if family == "vit":
         return [torch.randn(global_batch, *IMAGE, generator=generator) for _ in range(steps)]
-    return [torch.randint(0, VOCAB, (global_batch, SEQ), generator=generator) for _ in range(steps)]
+    return [torch.randint(0, vocab_of(family), (global_batch, SEQ), generator=generator) for _ in range(steps)]
+
+
+def vocab_of(family: str) -> int:
+    return ODD_VOCAB if family == "gpt2_vocab97" else VOCAB
 
 
 def causal_lm_loss(output, ids: torch.Tensor) -> torch.Tensor:
@@ -162,7 +169,7 @@ def regression_loss(hidden, ids: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(hidden.float(), code)
 
 
-LOSSES = {"gpt2": causal_lm_loss, "gpt_neox": causal_lm_loss, "bert": masked_lm_loss, "t5": causal_lm_loss,
+LOSSES = {"gpt2": causal_lm_loss, "gpt2_vocab97": causal_lm_loss, "gpt_neox": causal_lm_loss, "bert": masked_lm_loss, "t5": causal_lm_loss,
           "bart": causal_lm_loss, "vit": image_loss, "torch_mha": logits_loss,
           "torch_odd": regression_loss}
 

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from hf_families import SEQ, VOCAB, batches, build, example_input, loss_for
+from hf_families import SEQ, batches, build, example_input, loss_for, vocab_of
 from parity_harness import plan_for, run_plans, train_parallel, train_reference
 
 transformers = pytest.importorskip("transformers")
@@ -27,7 +27,7 @@ def hf_tp_plan(family: str, strategy: dict, world: int = 2, use_ilp: bool = Fals
     model = build(family)
     heads = 4
     return plan_for(model, (example_input(family),), loss_for(family), name=f"hf-{family}", seq_len=SEQ,
-                    heads=heads, kv_heads=heads, vocab=VOCAB, strategy=strategy, world=world,
+                    heads=heads, kv_heads=heads, vocab=vocab_of(family), strategy=strategy, world=world,
                     global_batch=GLOBAL_BATCH, use_ilp=use_ilp, dry_run=True)
 
 
@@ -80,11 +80,14 @@ def test_the_module_rules_refuse_what_dtensor_runs():
 def test_tp2_parity_more_families_recompute_and_searched_placements():
     """GPT-NeoX (fused QKV viewed per head: the module rules run it), BART, a plain-torch model around
     nn.MultiheadAttention (kept replicated, the rest sharded), GPT-2 under full and selective recompute
-    (the collectives DTensor resends in recomputation priced from the dry run)."""
+    (the collectives DTensor resends in recomputation priced from the dry run), and GPT-2 with a
+    vocabulary tp does not divide (sharded unevenly, as DTensor shards)."""
     cases = [("gpt_neox", TP2), ("bart", TP2), ("torch_mha", TP2),
-             ("gpt2", {**TP2, "recompute": "full"}), ("gpt2", {**TP2, "recompute": "selective"})]
+             ("gpt2", {**TP2, "recompute": "full"}), ("gpt2", {**TP2, "recompute": "selective"}),
+             ("gpt2_vocab97", TP2)]
     plans = _parity(cases)
-    assert [plan.tp_realization for plan in plans] == ["modules", "dtensor", "dtensor", "dtensor", "dtensor"]
+    assert [plan.tp_realization for plan in plans] == ["modules"] + ["dtensor"] * 5
+    assert plans[5].param_placements["transformer.wte.weight"] == "RS(0)"  # 97 rows: 49 and 48
     mha = plans[2].param_placements
     assert mha["attn.in_proj_weight"] == "RR" and mha["head.weight"] == "RS(0)"
 
