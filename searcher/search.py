@@ -11,8 +11,14 @@
    (`placed_units`), cut the units into stages with the inter-op dynamic program, and evaluate
    exactly (simulated schedule) with the evaluator Megatron's layout goes through: the plan that
    runs is the plan that was costed. Per-stage recompute counts are fitted to each partition.
+   When the capabilities carry dry runs (`Capabilities.tp_realization`: the model and an example
+   input at hand), each tp layout, Megatron's and the ILP's, is dry-run instead: it is kept only if
+   it runs (under the module rules or through DTensor, as the plan's `tp_realization` then says)
+   and, without pipeline stages and sequence parallelism, priced from the collectives the dry run
+   recorded (`dry_run_units`).
 3. Keep the fastest plan that fits, the runners-up, and why-not rows for the obvious alternatives.
-No nn.Module is touched here: inputs are the op graph, its facts and the cluster.
+No nn.Module is touched here: inputs are the op graph, its facts, the cluster and the capabilities
+(whose dry runs the runtime performs).
 """
 
 from __future__ import annotations
@@ -119,7 +125,8 @@ def _megatron_checked(capabilities: Capabilities, graph: OpGraph, facts: ModelFa
     """Every tp > 1 candidate is ranked and refined as Megatron's layout (the ILP only adds
     alternatives to it), so a model whose Megatron layout the runtime refuses gets no tp > 1 plan
     (e.g. each Linear wrapped in a module of its own: no block pairs a column- with a row-parallel
-    one). The layout is the same for every tp > 1."""
+    one). The layout is the same for every tp > 1. With dry runs at hand (`tp_realization`), the
+    layout is checked by running it, per tp (`_megatron_dry_run_refusal`), not by the module rules."""
     if capabilities.tp_realization is not None:
         return dataclasses.replace(capabilities, tp_refusal=_megatron_dry_run_refusal(capabilities, graph, facts))
     check = capabilities.check_placements
