@@ -219,3 +219,45 @@ def test_cpu_attention_runs_on_each_ranks_heads():
                 torch.testing.assert_close(mine.grad, whole[:, :2], rtol=1e-5, atol=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+def test_convolution_and_restride_gaps_run_replicated():
+    """The smaller DTensor gaps `runtime.dtensor_rules` fills, on rank 0 of a (fake) tp=2 group with
+    replicated tensors (no communication, so values are checkable): a convolution's backward whose
+    input was a plain tensor (Whisper's stem), and a pooler's 1x1 average (Swin's), forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autopar.runtime.dtensor_rules  # noqa: F401
+
+    generator = torch.Generator().manual_seed(0)
+    conv = nn.Conv1d(3, 4, kernel_size=3, padding=1)
+    signal = torch.randn(2, 3, 10, generator=generator)
+    expected = conv(signal)
+    expected_grads = torch.autograd.grad(expected.pow(2).sum(), tuple(conv.parameters()))
+    hidden = torch.randn(2, 5, 4, generator=generator, requires_grad=True)
+    pooled = nn.AdaptiveAvgPool1d(1)(hidden.transpose(1, 2))
+    (pooled_grad,) = torch.autograd.grad(pooled.pow(2).sum(), hidden)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        weight, bias = (nn.Parameter(DTensor.from_local(p.detach().clone(), mesh, [Replicate()])) for p in
+                        conv.parameters())
+        with implicit_replication():
+            out = nn.functional.conv1d(signal, weight, bias, padding=1)
+            out.to_local().pow(2).sum().backward()
+        torch.testing.assert_close(out.to_local(), expected)
+        torch.testing.assert_close(weight.grad.to_local(), expected_grads[0])
+        torch.testing.assert_close(bias.grad.to_local(), expected_grads[1])
+        # Partial sums with the whole value on rank 0: the fake group's reductions leave rank 0's
+        # value as it is, which is then the true sum; the pooler restrides in place, then in backward
+        local = hidden.detach().clone().requires_grad_()
+        partial = DTensor.from_local(local, mesh, [Partial()])
+        out = nn.AdaptiveAvgPool1d(1)(partial.transpose(1, 2))
+        torch.testing.assert_close(out.to_local(), pooled)
+        out.to_local().pow(2).sum().backward()
+        torch.testing.assert_close(local.grad, pooled_grad)
+    finally:
+        dist.destroy_process_group()
