@@ -1,7 +1,8 @@
 """Compose the runtime's concerns into a model that trains as the plan says.
 
-Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel →
-recompute → FSDP/ZeRO → materialize local shards → schedule. Tensor parallelism comes before FSDP
+Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel (module
+rules, or DTensor through the model's forward, as the plan's `tp_realization` says) → recompute →
+FSDP/ZeRO → materialize local shards → schedule. Tensor parallelism comes before FSDP
 so FSDP shards the DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside
 the checkpointed forward; materialization last, so every rank only ever allocates its shards.
 """

@@ -141,7 +141,8 @@ def tensor_parallel_refusal(model: nn.Module) -> str | None:
         for attr, param in module._parameters.items():
             if param is not None and param.dim() == 2:
                 return (f"the runtime shards only nn.Linear and nn.Embedding weights for tensor parallelism; "
-                        f"{path + '.' if path else ''}{attr} belongs to a {type(module).__name__}")
+                        f"{path + '.' if path else ''}{attr} belongs to a {type(module).__name__} (given an example "
+                        f"input and the loss, capabilities_for dry-runs tensor parallelism through DTensor instead)")
     return None
 
 
