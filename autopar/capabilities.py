@@ -41,6 +41,40 @@ class TpRules:
 
 
 @dataclass(frozen=True)
+class TpCollective:
+    """One collective a tp rank sends, as a dry run of the planned placements recorded it."""
+
+    phase: str  # forward | backward | recompute (per micro-batch) | step (once per step)
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | ...
+    bytes: int
+    module: str  # innermost module path running it ("" for the root, the loss and the step)
+
+
+@dataclass(frozen=True)
+class TpRealization:
+    """How the runtime realizes given tp placements on one model, found by a dry run.
+
+    `name` is "modules" (Megatron-style module rules, `runtime.tensor_parallel`), "dtensor"
+    (DTensor through the model's own forward, `runtime.dtensor_tp`) or None when neither runs
+    (then `reason` says why, in one line). `collectives` is what one tp rank sends per micro-batch
+    (and once per step) of the dry run's micro-batch size.
+    """
+
+    name: str | None
+    reason: str | None = None
+    collectives: tuple[TpCollective, ...] = ()
+    failed_module: str | None = None  # where DTensor's dry run failed (innermost module; "" the root)
+    # The placements that run, when the realizer had to keep some modules' parameters replicated
+    # (DTensor could not shard them: `notes` says which and why); None: the placements asked for.
+    placements: dict[str, str] | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def runs(self) -> bool:
+        return self.name is not None
+
+
+@dataclass(frozen=True)
 class Capabilities:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -60,6 +94,15 @@ class Capabilities:
     # The same runtime's rules as data, for the ILP to offer only what `check_placements` accepts;
     # None when no model is at hand (no rules).
     tp_rules: TpRules | None = None
+    # With the model at hand and an example input (`runtime.tensor_parallel.capabilities_for`):
+    # given (placements, tp, sp, micro-batch size, recompute policy), the realization that runs
+    # them and what it sends, found by a dry run (cached). None: no dry run, the module rules and
+    # the graph's Megatron layout are trusted (what-if studies, the zoo through the CLI).
+    tp_realization: Callable[[dict[str, str], int, bool, int, str], TpRealization] | None = None
+    # Why a strategy's tensor parallelism cannot run (its Megatron layout's dry run failed, or it
+    # runs only through DTensor, which has no sequence parallelism nor pipeline stages here);
+    # set by the search, which knows the graph's layout.
+    tp_refusal: Callable[[Strategy], str | None] | None = None
 
     def supports(self, strategy: Strategy) -> str | None:
         """None when the runtime can execute `strategy`, else the reason it cannot."""
@@ -80,6 +123,10 @@ class Capabilities:
             return f"the runtime runs at most {self.max_vp} virtual stages per rank"
         if strategy.tp > 1 and self.tensor_parallel_refusal:
             return self.tensor_parallel_refusal
+        if strategy.tp > 1 and self.tp_refusal is not None:
+            reason = self.tp_refusal(strategy)
+            if reason:
+                return reason
         if strategy.pp > 1 and self.pipeline_refusal:
             return self.pipeline_refusal
         if strategy.pp > 1 and strategy.dp > 1 and strategy.zero > self.max_zero_with_pipeline:

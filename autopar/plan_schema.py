@@ -208,6 +208,9 @@ class Plan(_Record):
     recompute_modules: list[str] = []
     # The model's tensor inputs as planned (pipeline stages capture the forward at this shape).
     model_inputs: list[ModelInput] = []
+    # How the runtime realizes the tp placements: "modules" (Megatron-style module rules) or "dtensor"
+    # (DTensor through the model's own forward); the search costed this one (`autopar.capabilities`).
+    tp_realization: Literal["modules", "dtensor"] = "modules"
     predicted: PredictedMetrics | None = None
     provenance: Provenance
 

@@ -55,13 +55,17 @@ LOSS_PARALLEL_REDUCTIONS = 3  # max, sum of exponentials, target logit: one valu
 def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: str, pp_rank: int, *,
                      seq_len: int, vocab: int | None = None, clip_grad_norm: bool = True,
                      recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
+                     tp_step: Sequence[tuple[str, float]] = (), selective_repeats: bool = False,
                      ) -> dict[tuple[str, str], tuple[int, float]]:
     """{(axis, kind): (calls, bytes)} one step sends on pipeline rank `pp_rank`.
 
     `stages` are the pp·vp lists of units (stage i on pipeline rank i mod pp). `vocab` is given when
     the head's logits are sharded over the vocabulary. `recompute_repeats` (per layer unit: kind and
     bytes per sample) replaces the Megatron-layout rule of `recomputed_reductions`, for layouts
-    given by per-parameter placements (`placed_units`).
+    given by per-parameter placements (`placed_units`, `dry_run_units`). `tp_step` lists tp
+    collectives sent once per step after the last backward (a dry run's gradient synchronization).
+    `selective_repeats`: `recompute_repeats` are resent under selective recompute too (a dry run saw
+    selective recompute repeat collectives DTensor issues inside an op, which it cannot save).
     """
     s = strategy
     tied = tied_across_ranks(stages, s.pp, s.tp)[pp_rank]
@@ -91,7 +95,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                             add("tp", "all_reduce", size, m)
                     for kind, size in op.collectives:
                         add("tp", kind, size * b, m)
-                if policy == "full":
+                if policy == "full" or (policy == "selective" and selective_repeats and recompute_repeats):
                     repeats = (recomputed_reductions(unit, b, s.sp) if recompute_repeats is None
                                else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())])
                     for kind, size, times in repeats:
@@ -123,6 +127,9 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
             max(1, math.ceil(grad_bytes / BUCKET_BYTES)))
     for size, times in sequence_parallel_gradient_reductions([u for i in mine for u in stages[i]], s):
         add("tp", "all_reduce", size, times)
+    if s.tp > 1:
+        for kind, size in tp_step:
+            add("tp", kind, size)
     if tied["summed"]:  # the local shard of each tied weight, summed over the ranks holding it
         add("pp", "all_reduce", tied["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES)
     add("world", "all_reduce", SCALAR_BYTES, 2 if clip_grad_norm else 1)
@@ -221,7 +228,10 @@ class PlacedLayout:
 
     units: dict[str, Unit]  # by unit name
     recompute_repeats: dict[str, tuple[tuple[str, float], ...]]  # layer unit -> (kind, bytes per sample) resent
-    vocab_parallel_head: bool  # the head's logits come out sharded over the vocabulary
+    vocab_parallel_head: bool  # the head's logits come out sharded over the vocabulary (and `step_collectives`
+    # adds the gathering or the loss's reductions; a dry run's layout lists those among its own)
+    step: tuple[tuple[str, float], ...] = ()  # tp collectives (kind, bytes) sent once per step
+    selective_repeats: bool = False  # `recompute_repeats` hold under selective recompute too (see step_collectives)
 
 
 def placed_units(graph: OpGraph, units: Sequence[Unit], tp_placements: dict[str, str], microbatch: int) -> PlacedLayout:
@@ -241,7 +251,6 @@ def placed_units(graph: OpGraph, units: Sequence[Unit], tp_placements: dict[str,
     """
     by_name = {node.name: node for node in graph.nodes}
     order = {node.name: i for i, node in enumerate(graph.nodes)}
-    numel = {p.name: p.numel for p in graph.params}
     per_sample = 1.0 / max(graph.batch, 1)
     unit_of = {op.name: unit.name for unit in units for op in unit.ops}
     layer_units = {unit.name for unit in units if unit.layer_type is not None}
@@ -293,6 +302,78 @@ def placed_units(graph: OpGraph, units: Sequence[Unit], tp_placements: dict[str,
             send(node, "all_reduce" if where == "S(0)" else "all_gather", out.bytes, unbatched=len(out.shape) == 2)
 
     repeats = _resent_by_recompute(graph, unit_of, layer_units, forward)
+    placed = _with_moves_and_shards(graph, units, unit_of, tp_placements, moves, microbatch)
+    return PlacedLayout(placed, repeats, head is not None and kind[head] == "col")
+
+
+def dry_run_units(graph: OpGraph, units: Sequence[Unit], collectives: Sequence, tp_placements: dict[str, str],
+                  microbatch: int, recompute_policy: str = "full") -> PlacedLayout:
+    """Units carrying exactly the tp collectives a dry run of the placements recorded
+    (`runtime.tp_dry_run`: each `autopar.capabilities.TpCollective` with its phase and module),
+    for a micro-batch of `microbatch` samples, as `step_collectives` and the evaluator read them.
+
+    Each forward (backward) collective is carried by a forward (backward) op of the unit holding
+    the module that sent it (the innermost module the graph knows; the root's, the loss's, go to
+    the last unit), in bytes per sample; recomputation's (under `recompute_policy`), per recomputed
+    layer; the step's once.
+    The work each op does is left as the units give it (`model_facts` under these shards)."""
+    unit_of = {op.name: unit.name for unit in units for op in unit.ops}
+    unit_of_module: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.phase == "forward" and node.name in unit_of:
+            unit_of_module.setdefault(node.module_path, unit_of[node.name])
+    last = units[-1].name if units else ""
+
+    def unit_for(module: str) -> str:
+        path = module
+        while path:
+            if path in unit_of_module:
+                return unit_of_module[path]
+            path = path.rpartition(".")[0]
+        return last
+
+    carrier: dict[tuple[str, str], str] = {}  # (unit, phase) -> the op carrying its collectives
+    for unit in units:
+        for phase in ("forward", "backward"):
+            ops = [op for op in unit.ops if op.phase == phase] or list(unit.ops)
+            if ops:
+                carrier[(unit.name, phase)] = ops[-1 if phase == "forward" else 0].name
+    moves: dict[str, list[tuple[str, float, bool]]] = {}
+    repeats: dict[str, list[tuple[str, float]]] = {}
+    step: list[tuple[str, float]] = []
+    for record in collectives:
+        unit = unit_for(record.module)
+        if record.phase == "step":
+            step.append((record.kind, float(record.bytes)))
+        elif record.phase == "recompute":
+            repeats.setdefault(unit, []).append((record.kind, record.bytes / microbatch))
+        else:
+            moves.setdefault(carrier[(unit, record.phase)], []).append((record.kind, record.bytes / microbatch, False))
+    placed = _with_moves_and_shards(graph, units, unit_of, tp_placements, moves, microbatch)
+    return PlacedLayout(placed, {unit: tuple(items) for unit, items in repeats.items()}, False, tuple(step),
+                        selective_repeats=recompute_policy == "selective")
+
+
+def dry_run_ledger(collectives: Sequence, microbatches: int, recomputed: set[str] | frozenset[str] = frozenset()
+                   ) -> dict[str, tuple[int, int]]:
+    """{kind: (calls, bytes)} a dry run's collectives add up to over tp in a step of `microbatches`
+    micro-batches, the layers named in `recomputed` recomputing (the others' "recompute" records dropped)."""
+    calls: Counter = Counter()
+    sent: Counter = Counter()
+    for record in collectives:
+        if record.phase == "recompute" and record.module not in recomputed:
+            continue
+        times = 1 if record.phase == "step" else microbatches
+        calls[record.kind] += times
+        sent[record.kind] += record.bytes * times
+    return {kind: (calls[kind], sent[kind]) for kind in sorted(calls)}
+
+
+def _with_moves_and_shards(graph: OpGraph, units: Sequence[Unit], unit_of: dict[str, str],
+                           tp_placements: dict[str, str], moves: dict[str, list[tuple[str, float, bool]]],
+                           microbatch: int) -> dict[str, Unit]:
+    """Units whose ops send exactly `moves` (nothing else over tp), with parameters sharded as placed."""
+    numel = {p.name: p.numel for p in graph.params}
     owner: dict[str, str] = {}  # a parameter belongs to the unit that reads it first (as in facts)
     read_by: dict[str, set[str]] = {}
     for node in graph.nodes:
@@ -300,16 +381,20 @@ def placed_units(graph: OpGraph, units: Sequence[Unit], tp_placements: dict[str,
             owner.setdefault(param, unit_of.get(node.name, ""))
             if node.phase == "forward":
                 read_by.setdefault(unit_of.get(node.name, ""), set()).add(param)
+
+    def sharded(param: str) -> bool:
+        return tp_placements.get(param, "R") != "R"
+
     placed = {}
     for unit in units:
         mine = [p for p, at in owner.items() if at == unit.name]
         placed[unit.name] = dataclasses.replace(
             unit, ops=tuple(_with_moves(op, moves.get(op.name, []), microbatch) for op in unit.ops),
-            sharded_params=sum(numel[p] for p in mine if placement(p) != "R"),
-            borrowed=tuple((owner[p], numel[p], placement(p) != "R")
+            sharded_params=sum(numel[p] for p in mine if sharded(p)),
+            borrowed=tuple((owner[p], numel[p], sharded(p))
                            for p in sorted(read_by.get(unit.name, ())) if owner[p] != unit.name),
         )
-    return PlacedLayout(placed, repeats, head is not None and kind[head] == "col")
+    return placed
 
 
 

@@ -94,13 +94,17 @@ def evaluate(
     recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
     overlap_grad_sync: bool = True,
     cache: CostCache | None = None,
+    tp_step: tuple[tuple[str, float], ...] = (),
+    selective_repeats: bool = False,
 ) -> Evaluation:
     """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates);
     `stages` overrides the even split of layers with a searched partition (pp·vp lists of units).
     `vocab` and `recompute_repeats` mean what they mean to `step_collectives` (a head with logits
     sharded over the vocabulary; what full recompute resends under per-parameter placements), so
-    a plan's tp communication is priced from the same collectives its ledger lists. `cache`: the
-    caller's, to share derived unit costs across evaluations of one model (a fresh one if None)."""
+    a plan's tp communication is priced from the same collectives its ledger lists; so are `tp_step`
+    (tp collectives once per step after backward, from a dry run; pp = 1) and `selective_repeats`.
+    `cache`: the caller's, to share derived unit costs across evaluations of one model (a fresh one
+    if None)."""
     s = strategy
     implemented = as_run(facts, s.attention, s.dropout)
     if implemented is not facts and stages is not None:  # the caller's stages, as the profile runs them
@@ -113,7 +117,7 @@ def evaluate(
     pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=efficiency, cache=cache or CostCache(),
                       tp_layout=group_layout(s.tp, 1, cluster.gpus_per_node),
                       dp_layout=group_layout(s.dp, s.tp, cluster.gpus_per_node), vocab=vocab,
-                      recompute_repeats=recompute_repeats)
+                      recompute_repeats=recompute_repeats, tp_step=tp_step, selective_repeats=selective_repeats)
     prices = price_stages(pricing, stages_units)
     tied_ranks = tied_across_ranks(stages_units, s.pp, s.tp)
     rank_params = list(prices.rank_params)
@@ -174,6 +178,8 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
         rank_units = [u for i in stage_indices for u in stages_units[i]]
         exposed += sum(calls * collective_time_s("all_reduce", size, tp_layout, cluster)
                        for size, calls in sequence_parallel_gradient_reductions(rank_units, s))
+        if s.tp > 1:
+            exposed += sum(collective_time_s(kind, size, tp_layout, cluster) for kind, size in pricing.tp_step)
         if tied_ranks[rank]["summed"]:  # as the ledger sends it: after backward, nothing to hide behind
             tied_bytes = tied_ranks[rank]["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES
             exposed += collective_time_s("all_reduce", tied_bytes, tied_layout, cluster)

@@ -97,6 +97,9 @@ class Pricing:
     dp_layout: GroupLayout
     vocab: int | None = None
     recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None
+    # tp collectives once per step after backward (a dry run's record, DTensor realization)
+    tp_step: tuple[tuple[str, float], ...] = ()
+    selective_repeats: bool = False  # selective recompute resends `recompute_repeats` (a dry run saw it)
 
     def timed(self, unit: Unit) -> UnitTime:
         s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
@@ -176,6 +179,9 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         transient = full
     elif policy == "selective":
         recompute_s = t.forward_vector_s
+        if pricing.selective_repeats and pricing.recompute_repeats and s.tp > 1:
+            recompute_s += sum(pricing.tp_time_s(kind, size * b) for kind, size in
+                               pricing.recompute_repeats.get(unit.name, ()))
         transient = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective", cache)
     return UnitPart(
         forward_s=t.forward_s, backward_s=t.backward_s,

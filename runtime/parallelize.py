@@ -1,7 +1,8 @@
 """Compose the runtime's concerns into a model that trains as the plan says.
 
-Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel →
-recompute → FSDP/ZeRO → materialize local shards → schedule → dp gradient buckets (zero 0). Tensor parallelism comes before FSDP
+Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel (module
+rules, or DTensor through the model's forward, as the plan's `tp_realization` says) → recompute →
+FSDP/ZeRO → materialize local shards → schedule → dp gradient buckets (zero 0). Tensor parallelism comes before FSDP
 so FSDP shards the DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside
 the checkpointed forward; materialization last, so every rank only ever allocates its shards.
 """
@@ -25,13 +26,14 @@ from autopar.graph.capture import model_fingerprint
 from autopar.plan_schema import Plan
 from autopar.runtime.compile import compile_blocks
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, set_microbatch_boundary
+from autopar.runtime.dtensor_tp import step_context as dtensor_step_context
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.pipeline import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
                                      tied_gradient_groups)
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.tensor_parallel import apply_tensor_parallel, capabilities_for, default_head_path, tp_placement
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
 
 
 @dataclass
@@ -48,6 +50,7 @@ class ParallelModel:
     vocab_parallel_loss: bool = False
     canonical: dict[str, str] = field(default_factory=dict)  # alias of a tied weight -> its first name
     gradient_buckets: GradientBuckets | None = None  # zero 0 over dp > 1: the sync overlapped with backward
+    step_context: Callable = contextlib.nullcontext  # entered around each micro-batch's forward and backward
 
     @property
     def strategy(self):
@@ -88,7 +91,7 @@ class ParallelModel:
         loss_context = loss_parallel if self.vocab_parallel_loss else contextlib.nullcontext
         total = torch.zeros((), device=self.layout.device)
         fsdp = s.zero >= 1
-        with loss_context():
+        with loss_context(), self.step_context():
             if self.schedule is not None:
                 losses: list[torch.Tensor] = []
                 with autocast(self.precision, self.layout.device, fsdp):
@@ -253,7 +256,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
             f"({plan.provenance.model_name}), this model is {fingerprint}: re-run `autopar plan` for this model"
         )
     s = plan.strategy
-    unsupported = capabilities_for(model).supports(s)
+    unsupported = plan_refusal(model, plan)
     if unsupported:
         raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
     cut = None
@@ -276,7 +279,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 3. tensor / sequence parallel over the tp axis
         if s.tp > 1:
             apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path,
-                                  vocab_parallel_loss=s.pp == 1)
+                                  vocab_parallel_loss=s.pp == 1, realization=plan.tp_realization)
         # 4. recompute the planned modules
         apply_recompute(module, plan.recompute_modules, s.recompute)
         blocks = _innermost([p for p in stage_paths[index] if _is_block(module, p)])
@@ -292,8 +295,10 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     # Pipeline schedules pass plain tensors between stages and to the loss: logits are gathered there.
     vocab_parallel = s.tp > 1 and s.pp == 1 and head_path is not None and placements.get(
         source.canonical(f"{head_path}.weight"), "R") == "S(0)"
+    dtensor = s.tp > 1 and plan.tp_realization == "dtensor"
     parallel = ParallelModel(plan=plan, layout=layout, modules=modules, loss_fn=loss_fn, precision=precision,
-                             vocab_parallel_loss=vocab_parallel)
+                             vocab_parallel_loss=vocab_parallel or dtensor,
+                             step_context=dtensor_step_context if dtensor else contextlib.nullcontext)
     parallel.canonical = dict(source.alias)
     buckets = s.zero == 0 and layout.size("dp") > 1
     if cut is not None:  # 7. the pipeline schedule over this rank's stages

@@ -40,16 +40,48 @@ def default_head_path(model: nn.Module) -> str | None:
     return linears[-1] if linears else None
 
 
-def capabilities_for(model: nn.Module) -> Capabilities:
+def capabilities_for(model: nn.Module, example_input=None, loss_fn=None, precision: str = "fp32") -> Capabilities:
     """The runtime's capability table for `model`: the placement check bound to it, and what it cannot
-    run at all (so the searcher never offers it)."""
+    run at all (so the searcher never offers it).
+
+    Given an example input (a batch of one, real or on meta, as the model's forward takes it) and
+    the training loss `loss_fn(output, input)`, tensor parallelism is decided by dry runs of the
+    planned placements (`runtime.tp_realization`): the module rules where they run, DTensor through
+    the model's forward elsewhere, priced from what the dry run sends. Without them, only the
+    module rules are offered, as checked statically here.
+    """
     from autopar.runtime.pipeline import pipeline_refusal
 
-    return dataclasses.replace(RUNTIME_CAPABILITIES,
-                               check_placements=lambda placements: check_tp_placements(model, placements, sp=False),
-                               tensor_parallel_refusal=tensor_parallel_refusal(model),
-                               pipeline_refusal=pipeline_refusal(model),
-                               tp_rules=tp_rules(model))
+    table = dataclasses.replace(RUNTIME_CAPABILITIES,
+                                check_placements=lambda placements: check_tp_placements(model, placements, sp=False),
+                                tensor_parallel_refusal=tensor_parallel_refusal(model),
+                                pipeline_refusal=pipeline_refusal(model),
+                                tp_rules=tp_rules(model))
+    if example_input is None:
+        return table
+    if loss_fn is None:
+        raise AutoparError("capabilities_for got an example input without loss_fn: the dry run of tensor "
+                           "parallelism runs the loss too; pass loss_fn(output, input)")
+    from autopar.runtime.tp_realization import TensorParallelRealizer
+
+    realizer = TensorParallelRealizer(model, example_input, loss_fn, precision)
+    # DTensor runs what the module rules refuse: the static refusal no longer binds (the rules still
+    # bound the intra-op ILP's proposals, each of which is dry-run before it is priced).
+    return dataclasses.replace(table, tensor_parallel_refusal=None, tp_realization=realizer)
+
+
+def plan_refusal(model: nn.Module, plan) -> str | None:
+    """Why this runtime cannot run `plan` on `model` (checked before any collective), or None.
+
+    A plan realizing tp with DTensor was dry-run by the search for this model: the module rules'
+    static refusal does not bind it, but it runs without sequence parallelism and pipeline stages."""
+    s = plan.strategy
+    table = capabilities_for(model)
+    if s.tp > 1 and plan.tp_realization == "dtensor":
+        if s.sp or s.pp > 1:
+            return "the dtensor realization of tensor parallelism runs without sequence parallelism and pipeline stages"
+        table = dataclasses.replace(table, tensor_parallel_refusal=None)
+    return table.supports(s)
 
 
 def tp_rules(model: nn.Module) -> TpRules:
@@ -109,7 +141,8 @@ def tensor_parallel_refusal(model: nn.Module) -> str | None:
         for attr, param in module._parameters.items():
             if param is not None and param.dim() == 2:
                 return (f"the runtime shards only nn.Linear and nn.Embedding weights for tensor parallelism; "
-                        f"{path + '.' if path else ''}{attr} belongs to a {type(module).__name__}")
+                        f"{path + '.' if path else ''}{attr} belongs to a {type(module).__name__} (given an example "
+                        f"input and the loss, capabilities_for dry-runs tensor parallelism through DTensor instead)")
     return None
 
 
@@ -134,7 +167,7 @@ def check_tp_placements(model: nn.Module, placements: dict[str, str], sp: bool) 
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dict[str, str], sp: bool,
-                          head_path: str | None, vocab_parallel_loss: bool = True) -> None:
+                          head_path: str | None, vocab_parallel_loss: bool = True, realization: str = "modules") -> None:
     """Shard `model` in place over `tp_mesh`; `head_path` names the Linear producing the logits.
 
     With `vocab_parallel_loss` the logits stay sharded over the vocabulary (the loss must run under
@@ -142,7 +175,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
     with `vocab_parallel_loss`, the sequence-sharded residual stream stays DTensors, so a forward that
     reads its global shape (Hugging Face's positions and causal mask, from the embedding output)
     sees the whole sequence; stages hand on local shards instead.
+
+    `realization="dtensor"` realizes the placements with DTensor through the model's forward instead
+    (`runtime.dtensor_tp`: no head, no blocks, no sp; logits sharded over the vocabulary stay so).
     """
+    if realization == "dtensor":
+        from autopar.runtime.dtensor_tp import apply_dtensor_tensor_parallel
+
+        if sp:
+            raise AutoparError("the dtensor realization of tensor parallelism runs without sequence parallelism: "
+                               "re-run `autopar plan`")
+        apply_dtensor_tensor_parallel(model, tp_mesh, placements, vocab_parallel_logits=vocab_parallel_loss)
+        return
     styles = _styles(model, placements, sp, head_path=head_path, vocab_parallel_loss=vocab_parallel_loss)
     tied = _tied_groups(model)
     if styles:

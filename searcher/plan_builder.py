@@ -39,6 +39,7 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
         op_placements=_op_placements(candidate.op_placements, s.dp),
         recompute_modules=recompute,
         model_inputs=[ModelInput(shape=list(meta.shape[1:]), dtype=meta.dtype) for meta in graph.inputs],
+        tp_realization=candidate.tp_realization if s.tp > 1 else "modules",
         predicted=PredictedMetrics(
             step_time_s=evaluation.step_time_s, tokens_per_s=evaluation.tokens_per_s,
             tflops_per_gpu=evaluation.tflops_per_gpu, mfu=min(evaluation.mfu, 1.0),
@@ -97,8 +98,11 @@ def _predicted_collectives(candidate: Candidate, graph: OpGraph, facts: ModelFac
     """Per pipeline rank, the step's ledger. The ILP's plans run per-parameter placements (module by
     module, see `placed_units`), so their tp traffic follows those placements, not the ILP's op facts."""
     s = candidate.strategy
-    stages, vocab, repeats = candidate.stages, facts.vocab, None
-    if candidate.op_placements and s.tp > 1 and not s.sp:
+    stages, vocab, repeats, tp_step, selective = candidate.stages, facts.vocab, None, (), False
+    if candidate.tp_layout is not None:  # priced from a dry run: its units carry every tp collective
+        layout = candidate.tp_layout
+        vocab, repeats, tp_step, selective = None, layout.recompute_repeats, layout.step, layout.selective_repeats
+    elif candidate.op_placements and s.tp > 1 and not s.sp:
         placed = placed_units(graph, facts.units, tp_placements, s.microbatch)
         stages = [[placed.units[unit.name] for unit in units] for units in candidate.stages]
         vocab = facts.vocab if placed.vocab_parallel_head else None
@@ -106,7 +110,7 @@ def _predicted_collectives(candidate: Candidate, graph: OpGraph, facts: ModelFac
     result = []
     for rank in range(s.pp):
         ledger = step_collectives(stages, s, facts.precision, rank, seq_len=facts.seq_len, vocab=vocab,
-                                  recompute_repeats=repeats)
+                                  recompute_repeats=repeats, tp_step=tp_step, selective_repeats=selective)
         result.append([CollectiveRecord(axis=axis, kind=kind, calls=calls, bytes=round(size))
                        for (axis, kind), (calls, size) in ledger.items()])
     return result

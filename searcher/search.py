@@ -11,9 +11,15 @@
    (`placed_units`), cut the units into stages with the inter-op dynamic program, and evaluate
    exactly (simulated schedule) with the evaluator Megatron's layout goes through: the plan that
    runs is the plan that was costed. Per-stage recompute counts are fitted to each partition.
+   When the capabilities carry dry runs (`Capabilities.tp_realization`: the model and an example
+   input at hand), each tp layout, Megatron's and the ILP's, is dry-run instead: it is kept only if
+   it runs (under the module rules or through DTensor, as the plan's `tp_realization` then says)
+   and, without pipeline stages and sequence parallelism, priced from the collectives the dry run
+   recorded (`dry_run_units`).
 3. Keep the fastest plan that fits, the runners-up, and why-not rows for the obvious alternatives
    (`searcher.why_not`: why each loses, in numbers).
-No nn.Module is touched here: inputs are the op graph, its facts and the cluster.
+No nn.Module is touched here: inputs are the op graph, its facts, the cluster and the capabilities
+(whose dry runs the runtime performs).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_tim
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition, unit_activation_bytes,
                                   with_fewest_recomputed_layers)
-from autopar.cost_models.collectives import placed_units
+from autopar.cost_models.collectives import PlacedLayout, dry_run_ledger, dry_run_units, placed_units, step_collectives
+from autopar.cost_models.recompute import recomputed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.implementation import is_runtime_profile
@@ -53,6 +60,9 @@ class Candidate:
     stages: list[list[Unit]]
     op_placements: dict[str, str] = field(default_factory=dict)
     param_placements: dict[str, str] = field(default_factory=dict)  # tp-axis placement per parameter
+    tp_realization: str = "modules"  # how the runtime realizes its tp (`autopar.capabilities.TpRealization`)
+    tp_layout: PlacedLayout | None = None  # the tp collectives it was priced with, when not Megatron's analytic ones
+    tp_notes: tuple[str, ...] = ()  # modules kept replicated because DTensor cannot shard them, and why
 
     @property
     def strategy(self) -> Strategy:
@@ -100,7 +110,10 @@ def search(
     quick.sort(key=_rank_key)
 
     refiner = Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities, cache)
-    ranked = [refiner.refine(e.strategy) for e in quick[:REFINE_TOP]]
+    ranked = [candidate for e in quick[:REFINE_TOP] if (candidate := refiner.refine(e.strategy)) is not None]
+    if not ranked:
+        raise AutoparError("no candidate strategy runs on this model: every tensor-parallel layout the search "
+                           "refined failed its dry run; leave tp free or set tp=1")
     ranked.sort(key=lambda c: _rank_key(c.evaluation))
     best = ranked[0] if ranked[0].evaluation.fits else None
     why_not = why_not_rows(ranked, quick, facts, cluster, global_batch, efficiency, best, fixed=fixed,
@@ -112,11 +125,23 @@ def search(
     )
 
 
+def module_rules_refusal(capabilities: Capabilities, graph: OpGraph, facts: ModelFacts) -> str | None:
+    """Why the runtime's module rules cannot run this model's Megatron-style tp layout (statically
+    checked), or None: then dry runs (`Capabilities.tp_realization`) have something to add."""
+    if capabilities.tensor_parallel_refusal is not None:
+        return capabilities.tensor_parallel_refusal
+    check = capabilities.check_placements
+    return None if check is None else check(planned_tp_placements({}, graph, facts, 2))
+
+
 def _megatron_checked(capabilities: Capabilities, graph: OpGraph, facts: ModelFacts) -> Capabilities:
     """Every tp > 1 candidate is ranked and refined as Megatron's layout (the ILP only adds
     alternatives to it), so a model whose Megatron layout the runtime refuses gets no tp > 1 plan
     (e.g. each Linear wrapped in a module of its own: no block pairs a column- with a row-parallel
-    one). The layout is the same for every tp > 1."""
+    one). The layout is the same for every tp > 1. With dry runs at hand (`tp_realization`), the
+    layout is checked by running it, per tp (`_megatron_dry_run_refusal`), not by the module rules."""
+    if capabilities.tp_realization is not None:
+        return dataclasses.replace(capabilities, tp_refusal=_megatron_dry_run_refusal(capabilities, graph, facts))
     check = capabilities.check_placements
     if check is None or capabilities.tensor_parallel_refusal is not None:
         return capabilities
@@ -125,6 +150,31 @@ def _megatron_checked(capabilities: Capabilities, graph: OpGraph, facts: ModelFa
         return capabilities
     return dataclasses.replace(capabilities, tensor_parallel_refusal=(
         f"the runtime cannot run this model's Megatron-style tensor parallelism ({reason})"))
+
+
+def _megatron_dry_run_refusal(capabilities: Capabilities, graph: OpGraph, facts: ModelFacts):
+    """`Capabilities.tp_refusal` from dry runs of the graph's Megatron layout (one micro-batch): tp
+    that does not run at all is refused with the dry run's reason, and so are sequence parallelism
+    and pipeline stages where only the DTensor realization runs (they need the module rules)."""
+    realize = capabilities.tp_realization
+    answers: dict[tuple, str | None] = {}
+
+    def refusal(strategy: Strategy) -> str | None:
+        key = (strategy.tp, strategy.sp, strategy.pp > 1)
+        if key not in answers:
+            placements = planned_tp_placements({}, graph, facts, strategy.tp)
+            realization = realize(placements, strategy.tp, strategy.sp, 1)
+            mode = f"tp={strategy.tp}" + (" with sequence parallelism" if strategy.sp else "")
+            if not realization.runs:
+                answers[key] = f"tensor parallelism ({mode}) does not run on this model: {realization.reason}"
+            elif strategy.pp > 1 and realization.name != "modules":
+                answers[key] = (f"tensor parallelism ({mode}) runs on this model only through DTensor, which the "
+                                f"runtime does not combine with pipeline stages")
+            else:
+                answers[key] = None
+        return answers[key]
+
+    return refusal
 
 
 def _rank_key(evaluation: Evaluation) -> tuple:
@@ -226,20 +276,33 @@ class Refiner:
         partition. An ILP proposal is priced as it runs (`placed_units`, the same evaluator), not by
         the ILP's objective; a weight with several proposals (tied) takes one, the cheaper."""
         tp_vocab = head_vocab(self.facts, strategy)  # Megatron's head is vocabulary parallel
-        candidates = [self._refine_with(strategy, list(self.facts.units), {}, {}, vocab=tp_vocab)]
+        realize = self.capabilities.tp_realization if strategy.tp > 1 else None
+        if realize is None:
+            candidates = [self._refine_with(strategy, list(self.facts.units), {}, {}, vocab=tp_vocab)]
+        else:
+            megatron = self._dry_run_priced(strategy, {}, {})
+            candidates = [megatron] if megatron is not None else []
         if strategy.sp and self.fixed.get("sp"):  # the user asked for Megatron sequence parallelism
-            return candidates[0]
+            return candidates[0] if candidates else None
         op_placements, proposed = self.proposals(strategy)
         if not op_placements:
-            return candidates[0]
+            return candidates[0] if candidates else None
         check = self.capabilities.check_placements
         # Placements run module by module without sequence parallelism (the ILP's sequence shards do not run).
         placed_strategy = strategy.model_copy(update={"sp": False})
         runnable = 0
         for choice in one_each_proposal(proposed):
+            if realize is not None and strategy.pp == 1:
+                candidate = self._dry_run_priced(placed_strategy, choice, op_placements)
+                if candidate is not None:
+                    runnable += 1
+                    candidates.append(candidate)
+                continue
             planned = planned_tp_placements(choice, self.graph, self.facts, strategy.tp)  # what build_plan writes
             if check is not None and check(planned) is not None:
                 continue  # the runtime could not run these placements
+            if realize is not None and realize(planned, strategy.tp, False, 1).name != "modules":
+                continue  # pipeline stages run the module rules only
             runnable += 1
             placed = self._placed(planned, strategy.microbatch)
             units = [placed.units[unit.name] for unit in self.facts.units]
@@ -248,19 +311,57 @@ class Refiner:
                 vocab=self.facts.vocab if placed.vocab_parallel_head else None, repeats=placed.recompute_repeats))
         if not runnable:
             self.ilp_refused += 1  # keep the propagation's plan
-        return min(candidates, key=lambda c: _rank_key(c.evaluation))
+        return min(candidates, key=lambda c: _rank_key(c.evaluation)) if candidates else None
 
-    def _placed(self, planned: dict[str, str], microbatch: int):
-        """Units sending what the runtime sends for `planned`, with work divided as those shards divide it."""
+    def _dry_run_priced(self, strategy: Strategy, choice: dict[str, str], op_placements: dict[str, str]
+                        ) -> Candidate | None:
+        """The candidate for tp placements `choice` (Megatron's where it has none), priced from what
+        a dry run of them sends (`Capabilities.tp_realization`), or None when they do not run.
+
+        Without pipeline stages and sequence parallelism, the dry run's collectives are the ledger.
+        Sequence parallelism and pipeline stages run the module rules, priced by the graph's
+        Megatron layout: the dry run (of the whole model) only confirms they run, and under
+        sequence parallelism that they send what that layout predicts."""
+        s = strategy
+        planned = planned_tp_placements(choice, self.graph, self.facts, s.tp)
+        paths = tuple(self.facts.units[i].name for i in self.facts.layer_units) if s.recompute != "none" else ()
+        realization = self.capabilities.tp_realization(planned, s.tp, s.sp, s.microbatch, s.recompute, paths)
+        if not realization.runs:
+            return None
+        planned = realization.placements if realization.placements is not None else planned
+        if s.sp or s.pp > 1:
+            if realization.name != "modules":
+                return None
+            if realization.placements is not None:
+                return None  # the graph's Megatron layout prices all of it sharded
+            candidate = self._refine_with(s, list(self.facts.units), op_placements, planned if choice else {},
+                                          vocab=head_vocab(self.facts, s))
+            if s.pp == 1 and not same_tp_ledger(candidate, realization, self.facts):
+                return None
+            return candidate
+        layout = dry_run_units(self.graph, self._sharded_facts(planned).units, realization.collectives, planned,
+                               s.microbatch, s.recompute)
+        units = [layout.units[unit.name] for unit in self.facts.units]
+        candidate = self._refine_with(s, units, op_placements, planned, repeats=layout.recompute_repeats,
+                                      tp_step=layout.step, selective_repeats=layout.selective_repeats)
+        return dataclasses.replace(candidate, tp_realization=realization.name, tp_layout=layout,
+                                   tp_notes=realization.notes)
+
+    def _sharded_facts(self, planned: dict[str, str]) -> ModelFacts:
+        """Facts whose ops' work divides over tp as these placements shard the matrices."""
         shapes = {p.name: p.shape for p in self.graph.params}
         sharded = frozenset(name for name, value in planned.items() if value != "R" and len(shapes[name]) == 2)
         key = ("facts", sharded)
         if key not in self.cache:
             self.cache[key] = model_facts(self.graph, sharded=sharded)
-        return placed_units(self.graph, self.cache[key].units, planned, microbatch)
+        return self.cache[key]
+
+    def _placed(self, planned: dict[str, str], microbatch: int):
+        """Units sending what the runtime sends for `planned`, with work divided as those shards divide it."""
+        return placed_units(self.graph, self._sharded_facts(planned).units, planned, microbatch)
 
     def _refine_with(self, strategy: Strategy, units, op_placements, param_placements, *, vocab=None,
-                     repeats=None) -> Candidate:
+                     repeats=None, tp_step=(), selective_repeats=False) -> Candidate:
         """Evaluated on the even split and on the DP's partition, each with the fewest recomputed
         layers that fit it (counts fitted on the quick ranking's estimate are fitted again here)."""
         facts = dataclasses.replace(self.facts, units=tuple(units))
@@ -270,7 +371,8 @@ class Refiner:
         def evaluated(stages: list[list[Unit]]) -> Evaluation:
             def run(trial: Strategy) -> Evaluation:
                 return evaluate(facts, self.cluster, trial, self.global_batch, efficiency=self.efficiency,
-                                stages=stages, vocab=vocab, recompute_repeats=repeats, cache=self.cost_cache)
+                                stages=stages, vocab=vocab, recompute_repeats=repeats, cache=self.cost_cache,
+                                tp_step=tp_step, selective_repeats=selective_repeats)
             return with_fewest_recomputed_layers(run(strategy), stages, run) if fit else run(strategy)
 
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
@@ -331,7 +433,7 @@ def executed_tp_placements(param_placements: dict[str, str]) -> dict[str, str]:
 def planned_tp_placements(param_placements: dict[str, str], graph: OpGraph, facts: ModelFacts,
                           tp: int) -> dict[str, str]:
     """The tp placement of every parameter of a plan: the candidate's own, Megatron's where it has
-    none; a column-parallel Linear's bias split with its weight. `build_plan` writes exactly these,
+    none; the bias of a projection whose outputs are split, split with them (`output_biases`). `build_plan` writes exactly these,
     so the runtime check in `refine` sees what will run."""
     placements = {}
     for param in graph.params:
@@ -340,11 +442,46 @@ def planned_tp_placements(param_placements: dict[str, str], graph: OpGraph, fact
             dim = facts.param_tp_dims.get(param.name)
             placement = f"S({dim})" if dim is not None and tp > 1 else "R"
         placements[param.name] = placement
-    for param in graph.params:
-        weight = param.name.removesuffix(".bias") + ".weight"
-        if param.name.endswith(".bias") and len(param.shape) == 1 and placements.get(weight) == "S(0)":
-            placements[param.name] = "S(0)"
+    for bias, (weight, dim) in output_biases(graph).items():
+        if placements.get(weight) == f"S({dim})":
+            placements[bias] = "S(0)"
     return placements
+
+
+def output_biases(graph: OpGraph) -> dict[str, tuple[str, int]]:
+    """Each bias an `addmm` adds to a product with a weight -> (that weight, the weight dimension
+    holding the output features), read from the graph (not from names): a tied decoder bias follows
+    the weight it is added with, and a Conv1D's (in, out) weight splits its outputs on dim 1."""
+    by_name = {node.name: node for node in graph.nodes}
+    shapes = {p.name: p.shape for p in graph.params}
+    result: dict[str, tuple[str, int]] = {}
+    for node in graph.nodes:
+        if node.phase != "forward" or not node.op.startswith("aten.addmm") or len(node.input_names) < 3:
+            continue
+        bias_source, weight_source = node.input_names[0], node.input_names[2]
+        if not bias_source.startswith("param:") or len(shapes.get(bias_source[6:], ())) != 1:
+            continue
+        if weight_source.startswith("param:"):
+            weight, dim = weight_source[6:], 1  # read as (in, out)
+        else:
+            producer = by_name.get(weight_source)
+            if producer is None or not producer.op.startswith("aten.t.") or not producer.inputs \
+                    or not producer.inputs[0].startswith("param:"):
+                continue
+            weight, dim = producer.inputs[0][6:], 0  # transposed: an nn.Linear's (out, in)
+        if len(shapes.get(weight, ())) == 2:
+            result.setdefault(bias_source[6:], (weight, dim))
+    return result
+
+
+def same_tp_ledger(candidate: Candidate, realization, facts: ModelFacts) -> bool:
+    """Whether the graph's Megatron layout predicts the tp collectives the dry run recorded (pp = 1)."""
+    s = candidate.strategy
+    ledger = step_collectives(candidate.stages, s, facts.precision, 0, seq_len=facts.seq_len,
+                              vocab=head_vocab(facts, s), clip_grad_norm=False)
+    predicted = {kind: (calls, round(size)) for (axis, kind), (calls, size) in ledger.items() if axis == "tp"}
+    recomputed = set(recomputed_units(candidate.stages, s))
+    return predicted == dry_run_ledger(realization.collectives, s.num_microbatches, recomputed)
 
 
 def one_each_proposal(proposed: dict[str, list[str]], limit: int = 8) -> list[dict[str, str]]:

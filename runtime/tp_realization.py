@@ -1,0 +1,125 @@
+"""Which realization of tensor parallelism runs given placements on one model, and what it sends.
+
+Two realizations (the plan names the one it was costed with, `Plan.tp_realization`):
+- "modules": Megatron-style module rules (`runtime.tensor_parallel`): column/row-parallel
+  Linears and one input all-reduce per block; the faster one, and the only one with sequence
+  parallelism and pipeline stages, but the model's code sees local shards;
+- "dtensor": DTensor through the model's own forward (`runtime.dtensor_tp`): runs what the
+  rules refuse or what breaks on local shards (head-count reshapes, fused projections, convs).
+Each is tried by a dry run (`runtime.tp_dry_run`): the module rules first, where they accept the
+placements, then DTensor. The first that runs is the realization, with the collectives its dry
+run recorded; when neither runs, the last failure is the one-line reason for the refusal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from autopar.capabilities import TpRealization
+from autopar.runtime.tp_dry_run import DTENSOR, MODULES, DryRunSpec, dry_run
+
+MAX_REPLICATED_MODULES = 4
+
+
+class TensorParallelRealizer:
+    """`Capabilities.tp_realization` for one model: dry runs, cached by their inputs."""
+
+    def __init__(self, model: nn.Module, example_input: torch.Tensor, loss_fn: Callable, precision: str = "fp32"):
+        from autopar.runtime.tensor_parallel import default_head_path
+
+        if isinstance(example_input, (tuple, list)):
+            if len(example_input) != 1:
+                raise ValueError("the tp dry run feeds the model one input tensor, as training does")
+            example_input = example_input[0]
+        self.model = model
+        self.example_input = example_input
+        self.loss_fn = loss_fn
+        self.precision = precision
+        self.head_path = default_head_path(model)
+        self.aliases: dict[str, str] = {}  # any name of a tied parameter -> its first name
+        first: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            self.aliases[name] = first.setdefault(id(param), name)
+        self._cache: dict[tuple, TpRealization] = {}
+        self.dry_runs = 0  # how many ran (not cached): for tests and benchmarks
+
+    def __call__(self, placements: dict[str, str], tp: int, sp: bool, microbatch: int,
+                 recompute_policy: str = "none", recompute_paths: tuple[str, ...] = ()) -> TpRealization:
+        """The realization of `placements` (by the names the plan uses); where DTensor fails inside a
+        module, that module's sharded parameters are kept replicated and the dry run repeated, up to
+        `MAX_REPLICATED_MODULES` times (the result then carries the placements that run, and notes)."""
+        recompute = tuple(recompute_paths) if recompute_policy != "none" else ()
+        policy = recompute_policy if recompute else "none"
+        notes: list[str] = []
+        current = dict(placements)
+        for _ in range(MAX_REPLICATED_MODULES + 1):
+            realization = self._cached(current, tp, sp, microbatch, policy, recompute)
+            replicated = None if realization.runs else self._replicable(realization.failed_module, current)
+            if replicated is None:
+                break
+            module, names = replicated
+            current.update({name: "R" for name in names})
+            notes.append(f"{module or 'the root'} keeps its parameters replicated: DTensor cannot shard it "
+                         f"({realization.reason})")
+        if current == placements:
+            return realization
+        return dataclasses.replace(realization, placements=current, notes=tuple(notes))
+
+    def _cached(self, placements, tp, sp, microbatch, policy, recompute) -> TpRealization:
+        placements = self._every_alias(placements)
+        key = (tp, frozenset(placements.items()), sp, microbatch, policy, recompute)
+        if key not in self._cache:
+            self._cache[key] = self._realize(placements, tp, sp, microbatch, policy, recompute)
+        return self._cache[key]
+
+    def _replicable(self, module: str | None, placements: dict[str, str]) -> tuple[str, list[str]] | None:
+        """(module, its sharded parameters by the plan's names): the innermost module around where the
+        dry run failed that holds sharded parameters, or None (nothing left to replicate but the root's)."""
+        if not module:
+            return None
+        while module:
+            prefix = module + "."
+            names = sorted({self.aliases.get(alias, alias) for alias in self.aliases if alias.startswith(prefix)})
+            names = [name for name in names if placements.get(name, "R") != "R"]
+            if names:
+                return module, names
+            module = module.rpartition(".")[0]
+        return None
+
+    def _realize(self, placements, tp, sp, microbatch, policy, recompute) -> TpRealization:
+        from autopar.runtime.tensor_parallel import check_tp_placements, tensor_parallel_refusal
+
+        common = dict(tp=tp, placements=tuple(sorted(placements.items())), microbatch=microbatch,
+                      precision=self.precision, recompute=recompute, recompute_policy=policy)
+        reason = tensor_parallel_refusal(self.model) or check_tp_placements(self.model, placements, sp)
+        if reason is None:
+            head_weight = placements.get(f"{self.head_path}.weight", "R") if self.head_path else "R"
+            spec = DryRunSpec(realization=MODULES, sp=sp, head_path=self.head_path,
+                              vocab_parallel_loss=head_weight == "S(0)", **common)
+            outcome = self._run(spec)
+            if outcome.ok:
+                return TpRealization(MODULES, None, outcome.collectives)
+            reason = outcome.reason
+        if sp:
+            return TpRealization(None, f"sequence parallelism runs only under the module rules, which fail here "
+                                       f"({reason})")
+        outcome = self._run(DryRunSpec(realization=DTENSOR, vocab_parallel_loss=True, **common))
+        if outcome.ok:
+            return TpRealization(DTENSOR, None, outcome.collectives)
+        return TpRealization(None, outcome.reason, failed_module=outcome.failed_module)
+
+    def _run(self, spec: DryRunSpec):
+        self.dry_runs += 1
+        return dry_run(self.model, self.example_input, self.loss_fn, spec)
+
+    def _every_alias(self, placements: dict[str, str]) -> dict[str, str]:
+        """Placements under every name of a tied parameter (the plan names it once)."""
+        result = dict(placements)
+        for alias, name in self.aliases.items():
+            if name in placements and alias not in result:
+                result[alias] = placements[name]
+        return result

@@ -1,0 +1,107 @@
+"""Tensor parallelism on Hugging Face models of several families, through the public path: trace →
+search (tp decided and priced by dry runs of the placements) → build_plan → autopar.parallelize.
+
+Each plan trains like the model on one process (losses to rel 1e-5, gathered final weights to
+1e-5) with every parameter placed as planned, and every rank sends in a step exactly the
+collectives the plan predicted from its dry run.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_families import SEQ, batches, build, example_input, loss_for, vocab_of
+from parity_harness import plan_for, run_plans, train_parallel, train_reference
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 3
+GLOBAL_BATCH = 8
+TP2 = dict(dp=1, tp=2, pp=1, sp=False, zero=0, microbatch=4, recompute="none")
+
+
+def hf_tp_plan(family: str, strategy: dict, world: int = 2, use_ilp: bool = False):
+    model = build(family)
+    heads = 4
+    return plan_for(model, (example_input(family),), loss_for(family), name=f"hf-{family}", seq_len=SEQ,
+                    heads=heads, kv_heads=heads, vocab=vocab_of(family), strategy=strategy, world=world,
+                    global_batch=GLOBAL_BATCH, use_ilp=use_ilp)  # dry runs where the rules refuse
+
+
+def run_family_job(job: dict) -> dict:
+    from autopar.plan_schema import Plan
+
+    family = job["family"]
+    return train_parallel(build(family), loss_for(family), Plan.from_json(job["plan"]), job["data"])
+
+
+def _parity(cases: list[tuple[str, dict]], world: int = 2, use_ilp: bool = False) -> list:
+    from test_runtime_parity import _check
+
+    plans = [hf_tp_plan(family, strategy, world, use_ilp=use_ilp) for family, strategy in cases]
+    data = {family: batches(family, GLOBAL_BATCH, STEPS) for family, _ in cases}
+    jobs = [dict(plan=plan.to_json(), family=family, data=data[family]) for plan, (family, _) in zip(plans, cases)]
+    results = run_plans(world, jobs, runner=run_family_job)
+    for plan, ranks, (family, strategy) in zip(plans, results, cases):
+        losses, state = train_reference(copy.deepcopy(build(family)), loss_for(family), data[family])
+        _check({"family": family, **strategy}, plan, ranks, losses, state)
+    return plans
+
+
+def test_tp2_parity_fused_qkv_masked_lm_encoder_decoder_vision_and_odd_layouts():
+    """GPT-2 (a Conv1D fused QKV split after the projection, tied head), BERT (masked LM, tied decoder
+    weight and bias), T5 (encoder-decoder, position-bias tables) and a plain-torch encoder with the
+    layouts the module rules refused (see `hf_families.OddEncoder`) run tp=2 through DTensor; ViT
+    (a convolution first, a CLS token no matmul reads) runs under the module rules, which its dry run
+    showed to work. Each trains like one process and sends what its dry run priced."""
+    families = ("gpt2", "bert", "t5", "vit", "torch_odd")
+    plans = _parity([(family, TP2) for family in families])
+    assert [plan.tp_realization for plan in plans] == ["dtensor", "dtensor", "dtensor", "modules", "dtensor"]
+    bert, odd = plans[1].param_placements, plans[4].param_placements
+    # the tied decoder bias follows its weight (vocabulary-sharded), under the name the graph keeps
+    assert bert["bert.embeddings.word_embeddings.weight"] == "RS(0)" and bert["cls.predictions.bias"] == "RS(0)"
+    assert odd["start"] == "RR" and odd["qkv_proj.weight"] == "RS(0)" and odd["out_proj.weight"] == "RS(1)"
+
+
+def test_the_module_rules_refuse_what_dtensor_runs():
+    """Without a dry run (no example input), the static module rules still refuse these models' tp."""
+    from autopar.runtime.tensor_parallel import capabilities_for
+
+    assert "Conv1D" in capabilities_for(build("gpt2")).tensor_parallel_refusal
+    assert "start belongs to a OddEncoder" in capabilities_for(build("torch_odd")).tensor_parallel_refusal
+    with_dry_run = capabilities_for(build("torch_odd"), example_input("torch_odd"), loss_for("torch_odd"))
+    assert with_dry_run.tensor_parallel_refusal is None and with_dry_run.tp_realization is not None
+
+
+@pytest.mark.slow
+def test_tp2_parity_more_families_recompute_and_searched_placements():
+    """GPT-NeoX (fused QKV viewed per head: the module rules run it), BART, a plain-torch model around
+    nn.MultiheadAttention (kept replicated, the rest sharded), GPT-2 under full and selective recompute
+    (the collectives DTensor resends in recomputation priced from the dry run), and GPT-2 with a
+    vocabulary tp does not divide (sharded unevenly, as DTensor shards)."""
+    cases = [("gpt_neox", TP2), ("bart", TP2), ("torch_mha", TP2),
+             ("gpt2", {**TP2, "recompute": "full"}), ("gpt2", {**TP2, "recompute": "selective"}),
+             ("gpt2_vocab97", TP2)]
+    plans = _parity(cases)
+    assert [plan.tp_realization for plan in plans] == ["modules"] + ["dtensor"] * 5
+    assert plans[5].param_placements["transformer.wte.weight"] == "RS(0)"  # 97 rows: 49 and 48
+    mha = plans[2].param_placements
+    assert mha["attn.in_proj_weight"] == "RR" and mha["head.weight"] == "RS(0)"
+
+
+@pytest.mark.slow
+def test_tp2_parity_of_the_intra_op_ilp_placements_through_dtensor():
+    """The search with the intra-op ILP on, tp=2 fixed: its proposals are dry-run and priced as they run."""
+    plans = _parity([("gpt2", dict(dp=1, tp=2, pp=1, microbatch=4))], use_ilp=True)
+    assert plans[0].op_placements and plans[0].tp_realization == "dtensor"
+
+
+@pytest.mark.slow
+def test_data_and_tensor_parallel_through_dtensor_world4():
+    """dp=2 × tp=2 on GPT-2 through DTensor, with plain gradient all-reduce and with FSDP2 (ZeRO-3)."""
+    plans = _parity([("gpt2", dict(dp=2, tp=2, pp=1, sp=False, zero=zero, microbatch=2, recompute="none"))
+                     for zero in (0, 3)], world=4)
+    assert [plan.tp_realization for plan in plans] == ["dtensor", "dtensor"]
