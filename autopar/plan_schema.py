@@ -387,7 +387,7 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
         if missing:
             return f"stage {stage.index} lists module {missing[0]!r}, which the model lacks"
     if s.pp > 1:
-        problem = _stage_cut_problem(plan, model, modules)
+        problem = _stage_cut_problem(plan, model)
         if problem:
             return problem
     unknown = [path for path in plan.recompute_modules if path not in modules]
@@ -402,10 +402,16 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
     return None
 
 
-def _stage_cut_problem(plan: Plan, model: Any, modules: dict[str, Any]) -> str | None:
+def _prefixes(name: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`]: the modules a parameter name lies inside."""
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def _stage_cut_problem(plan: Plan, model: Any) -> str | None:
     """Pipeline stages are cut at the root's children and the blocks of a root-level container
     (runtime/pipeline.py): a stage lists whole blocks, and every parameter lives on some stage."""
-    covered: set[int] = set()
+    listed_anywhere: set[str] = set()
     for stage in plan.stages:
         listed = set(stage.module_paths)
         for path in stage.module_paths:
@@ -413,8 +419,10 @@ def _stage_cut_problem(plan: Plan, model: Any, modules: dict[str, Any]) -> str |
             if block != path and block not in listed:
                 return (f"stage {stage.index} lists {path!r} without the rest of {block!r}: a stage holds whole "
                         f"layers")
-            covered.update(id(p) for p in modules[path].parameters())
-    missing = [name for name, p in model.named_parameters() if id(p) not in covered]
+        listed_anywhere |= listed
+    # By name, not by tensor: a tied head shares the embedding's weight, but a stage must still run it.
+    missing = [name for name, _ in model.named_parameters(remove_duplicate=False)
+               if not any(path in listed_anywhere for path in _prefixes(name))]
     if missing:
         return f"no stage runs parameter {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
     return None
