@@ -72,6 +72,7 @@ CLUSTER_FILES = {
     "inf_peak": "preset: local\ngpu: {peak_tflops: {fp32: .inf}}\n",
     "bool_nodes": "preset: dgx-h100\nnum_nodes: true\n",
     "inf_storage": "preset: dgx-h100\nnode_storage_write_bytes_per_s: .inf\n",
+    "python_tag": 'preset: !!python/object/apply:os.system ["touch executed"]\n',  # loading never runs code
     "one_mib_gpu": "preset: dgx-h100\ngpu: {memory_bytes: 1048576}\n",  # TINY's model states need 1.6 MB
 }
 
@@ -100,6 +101,8 @@ CASES = [
     ("inspect-cluster-negative-bandwidth", ["inspect", *TINY, "--cluster", "{w}/negative_bandwidth.yaml"],
      ["inter_node.bandwidth_bytes_per_s", "greater than 0"]),
     ("inspect-cluster-bool-nodes", ["inspect", *TINY, "--cluster", "{w}/bool_nodes.yaml"], ["num_nodes", "integer"]),
+    ("inspect-cluster-python-tag", ["inspect", *TINY, "--cluster", "{w}/python_tag.yaml"],
+     ["not valid YAML", "python/object"]),
     ("inspect-model-config-inf", ["inspect", "--model", "llama", "--model-config", "layers=2,rope_theta=inf"],
      ["rope_theta", "finite"]),
     ("inspect-model-config-twice", ["inspect", "--model", "gpt", "--model-config", "layers=2,layers=3"],
@@ -167,6 +170,8 @@ CASES = [
     ("run-seed-negative", [*RUN, "--seed", "-1", "--metrics", "{w}/m.jsonl"], ["--seed must be 0 or more"]),
     ("run-config-seq-len-zero", ["run", "--config", "{w}/run.yaml", "--metrics", "{w}/m.jsonl"],
      ["--seq-len must be at least 1"]),
+    ("run-config-python-tag", ["run", "--config", "{w}/python_tag.yaml", "--model", "gpt", "--steps", "2"],
+     ["not valid YAML"]),
     ("run-cluster-inf-bandwidth", ["run", *TINY, "--cluster", "{w}/inf_bandwidth.yaml", "--global-batch", "4",
                                    "--steps", "2", "--data", "synthetic", "--metrics", "{w}/m.jsonl"], ["finite"]),
     ("run-metrics-and-tensorboard-same-path", [*RUN, "--metrics", "{w}/out", "--tensorboard", "{w}/out"],
