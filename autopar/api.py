@@ -36,11 +36,11 @@ def load_cluster(name_or_file: str | Path, *, gpus: int | None = None) -> Cluste
 
 
 def load_plan(path: str | Path, *, model: nn.Module | None = None) -> Plan:
-    """A plan file; with `model`, checked to belong to it (its fingerprint)."""
-    from autopar.graph.capture import model_fingerprint
+    """A plan file; with `model`, checked to belong to it (its fingerprint) and to be one the runtime
+    can execute for it."""
     from autopar.plan_schema import load_plan as _load
 
-    return _load(str(path), expected_fingerprint=None if model is None else model_fingerprint(model))
+    return _load(str(path), model=model)
 
 
 def check_fixed_strategy(strategy: dict[str, Any], world_size: int) -> None:

@@ -23,6 +23,27 @@ class _Parser(argparse.ArgumentParser):
         raise AutoparError(f"{message} (see `{self.prog} --help`)")
 
 
+def whole_number(minimum: int):
+    """An argparse type: a whole number of at least `minimum` (a size or count of 0 or less is refused
+    here rather than read as "the default" or met later as a torch error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"whole number ≥ {minimum}"
+    return parse
+
+
+POSITIVE = whole_number(1)
+NON_NEGATIVE = whole_number(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autopar", description="Automatic parallelization for PyTorch training.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -32,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", help="trace a model and report its parameters, FLOPs, layer types and memory"
     )
     _add_model_arguments(inspect)
-    inspect.add_argument("--batch", type=int, default=1, help="batch size of the traced step (default 1)")
+    inspect.add_argument("--batch", type=POSITIVE, default=1, help="batch size of the traced step (default 1)")
     inspect.add_argument("--cluster", help="preset name or YAML/JSON file: also report how many GPUs the model states need")
-    inspect.add_argument("--gpus", type=int, help="size the cluster preset to this many GPUs")
+    inspect.add_argument("--gpus", type=POSITIVE, help="size the cluster preset to this many GPUs")
     inspect.add_argument("--check-plan", metavar="PATH", help="check that a plan file belongs to this model")
     inspect.add_argument("--json", metavar="PATH", help="write the summary as JSON to PATH, or - for stdout")
     inspect.add_argument("--graph", metavar="PATH", help="write the whole op graph as JSON to PATH")
@@ -50,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan", help="search the best parallel strategy (or cost a full or partial --strategy) and report it")
     _add_model_arguments(plan)
-    plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    plan.add_argument("--global-batch", type=POSITIVE, required=True, help="sequences per optimizer step")
     plan.add_argument("--cluster", required=True, help="preset name or YAML/JSON cluster file")
-    plan.add_argument("--gpus", type=int, help="size the cluster preset to this many GPUs")
+    plan.add_argument("--gpus", type=POSITIVE, help="size the cluster preset to this many GPUs")
     plan.add_argument("--strategy", default="", help="fixed keys, e.g. tp=8,pp=12,dp=16,microbatch=1,zero=1,"
                       "recompute=full,recompute_layers=2,schedule=1f1b,vp=1,sp=true (recompute_layers: the first k layers "
                       "of each stage recompute, k per stage as 3/2/1/0, or all); keys left out are chosen by the cost model")
@@ -81,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="zoo name (e.g. gpt3-175b, llama3-8b) or package.module:factory")
     parser.add_argument("--model-config", default=None, metavar="K=V,...", help="overrides, e.g. layers=4,hidden=256")
-    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    parser.add_argument("--seq-len", type=POSITIVE, default=None, help="sequence length (default: the model's)")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
 
 
@@ -89,15 +110,32 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _check_outputs(outputs: dict[str, str | None]) -> None:
+    """Every output path at once, before any work: each writable as a file, no two the same file."""
+    from pathlib import Path
+
+    from autopar.io import check_output_path
+
+    seen: dict[Path, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        if not path.strip():
+            raise AutoparError(f"{flag} is empty: give a file path")
+        check_output_path(path, flag)
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            raise AutoparError(f"{seen[resolved]} and {flag} both name {path}: give each output its own file")
+        seen[resolved] = flag
+
+
 def _inspect(args: argparse.Namespace) -> int:
     import autopar
     from autopar.inspect import cluster_fit, render, summarize
-    from autopar.io import check_output_path, write_all
+    from autopar.io import write_all
     from autopar.models import build_model
 
-    outputs = {flag: path for flag, path in (("--graph", args.graph), ("--json", args.json)) if path and path != "-"}
-    for flag, path in outputs.items():
-        check_output_path(path, flag)  # before the (possibly long) trace
+    _check_outputs({"--graph": args.graph, "--json": None if args.json == "-" else args.json})  # before the trace
     cluster = autopar.load_cluster(args.cluster, gpus=args.gpus) if args.cluster else None
     if cluster is None and args.gpus is not None:
         raise AutoparError("--gpus sizes a cluster: give --cluster too, e.g. --cluster dgx-h100 --gpus 64")
@@ -132,15 +170,12 @@ def _inspect(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.cost_models.strategy import parse_strategy
-    from autopar.io import check_output_path
     from autopar.models import build_model
     from autopar.report import render_text
 
     outputs = {"--save-plan": args.save_plan, "--json": None if args.json == "-" else args.json,
                "--report": args.report, "--trace": args.trace}
-    for flag, path in outputs.items():
-        if path:
-            check_output_path(path, flag)  # before the (possibly long) search
+    _check_outputs(outputs)  # before the (possibly long) search
     fixed = parse_strategy(args.strategy)
     cluster = autopar.load_cluster(args.cluster, gpus=args.gpus)
     autopar.check_fixed_strategy(fixed, cluster.world_size)  # before the (possibly long) trace
@@ -152,20 +187,22 @@ def _plan(args: argparse.Namespace) -> int:
                           precision=args.precision, name=spec.name, seq_len=args.seq_len or spec.default_seq_len,
                           use_ilp=not args.no_ilp, profile=args.profile, profile_device=args.profile_device,
                           progress=_say)
-    result.write(plan=args.save_plan if result.fits else None, json_path=outputs["--json"], report=args.report,
-                 trace=args.trace)
+    if result.fits:  # all or none; when nothing fits, none (the terminal report shows the closest plan)
+        result.write(plan=args.save_plan, json_path=outputs["--json"], report=args.report, trace=args.trace)
     report = result.summary()
     if args.json == "-":
         print(json.dumps(report.model_dump(mode="json"), indent=2))
     else:
         print(render_text(report))
+    if not result.fits:
+        unwritten = [flag for flag, path in outputs.items() if path]
+        note = f" ({', '.join(unwritten)} not written)" if unwritten else ""
+        print(f"autopar: {result.no_fit_reason()}{note}", file=sys.stderr)
+        return 3
     if args.report:
         _say(f"wrote report {args.report}")
     if args.trace:
         _say(f"wrote trace {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-    if not result.fits:
-        print(f"autopar: {result.no_fit_reason()}", file=sys.stderr)
-        return 3
     return 0
 
 
@@ -173,6 +210,27 @@ def _run(args: argparse.Namespace) -> int:
     from autopar.run import run_command
 
     return run_command(args)
+
+
+# How long a torchrun worker other than rank 0 waits before it reports a bad input itself. Every rank
+# usually meets the same input: rank 0 says so at once and exits, and torchrun stops the others
+# (it checks its workers every 0.1 s), so the user reads one line. A rank that meets an input rank 0
+# does not (or meets it much earlier) reports it after this wait, so that rank 0's line comes first
+# and torchrun, stopping every worker once one has failed, cannot swallow the only message.
+PEER_REPORT_DELAY_S = 5.0
+
+
+def _report_error(error: AutoparError) -> None:
+    """The one line of a bad input; under torchrun, said by rank 0, or by another rank after a grace
+    period (no collective: a rank that never meets the error cannot make this wait)."""
+    try:
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    except ValueError:
+        world, rank = 1, 0
+    if world > 1 and rank != 0:
+        sys.stderr.flush()
+        time.sleep(PEER_REPORT_DELAY_S)
+    print(f"autopar: error: {error}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AutoparError as error:
         if debug:
             raise
-        print(f"autopar: error: {error}", file=sys.stderr)
+        _report_error(error)
         return error.exit_code
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)

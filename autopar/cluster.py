@@ -28,6 +28,8 @@ _DTYPE_ALIASES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "flo
 
 def _integral(value: Any) -> Any:
     """Accept 8.0e10 or the string "80e9" (YAML 1.1 reads exponents without a dot as text) as bytes."""
+    if isinstance(value, bool):  # YAML's yes/true: not a size
+        raise ValueError(f"a byte count must be a number, not {value}")
     if isinstance(value, str):
         try:
             value = float(value.replace("_", ""))
@@ -42,9 +44,11 @@ Bytes = Annotated[int, BeforeValidator(_integral), Field(gt=0)]
 
 
 class _Spec(BaseModel):
-    """Specs are values: frozen, and a misspelt field in a file is an error, not silently ignored."""
+    """Specs are values: frozen, and a misspelt field in a file is an error, not silently ignored. Every
+    number must be finite: YAML reads `.inf` and `.nan` as floats, and an infinite bandwidth or peak
+    would be priced as free."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class GpuSpec(_Spec):
@@ -116,8 +120,8 @@ class ClusterSpec(_Spec):
 
     name: str = Field(min_length=1)
     gpu: GpuSpec
-    gpus_per_node: int = Field(gt=0)
-    num_nodes: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0, strict=True)  # strict: YAML's `true` is not 1
+    num_nodes: int = Field(gt=0, strict=True)
     intra_node: LinkSpec
     inter_node: LinkSpec | None = None
     # Write bandwidth from one node to checkpoint storage. Default: one 400 Gb/s link = 50 GB/s, the

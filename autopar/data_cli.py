@@ -15,6 +15,8 @@ from autopar.errors import AutoparError
 
 def add_data_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `data prepare` and `data info` on autopar's subcommands."""
+    from autopar.cli import POSITIVE
+
     data = subparsers.add_parser("data", help="prepare token datasets for `autopar run` and describe them")
     data.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     actions = data.add_subparsers(dest="data_command", metavar="{prepare,info}", required=True)
@@ -30,7 +32,7 @@ def add_data_command(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     prepare.add_argument("--eos-token", metavar="TOKEN",
                          help="end-of-document token of the tokenizer (default: <|endoftext|>, </s>, ... if it has one)")
     prepare.add_argument("--text-field", default="text", metavar="KEY", help="JSONL field holding the text (default text)")
-    prepare.add_argument("--shard-tokens", type=int, default=None, metavar="N",
+    prepare.add_argument("--shard-tokens", type=POSITIVE, default=None, metavar="N",
                          help="tokens per shard file (default 64 Mi)")
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset already prepared at --out")
     prepare.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
@@ -48,6 +50,13 @@ def add_data_command(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def run_prepare(args: argparse.Namespace) -> int:
     if args.shard_tokens is not None and args.shard_tokens <= 0:
         raise AutoparError(f"--shard-tokens must be a positive number of tokens, got {args.shard_tokens}")
+    if not args.text_field.strip():
+        raise AutoparError("--text-field is empty: name the JSONL field holding the text (default text)")
+    if not args.out.strip():
+        raise AutoparError("--out is empty: give the dataset directory to create")
+    if args.eos_token is not None and args.tokenizer is None:
+        raise AutoparError("--eos-token names a token of a --tokenizer; the byte-level default has its own "
+                           "end-of-document id (256): give --tokenizer too, or drop --eos-token")
     from autopar.runtime.data_prepare import DEFAULT_SHARD_TOKENS, prepare_tokens, stderr_progress
 
     print(f"preparing {', '.join(args.input)} -> {args.out} ...", file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ from autopar.io import atomic_write_text
 from autopar.validation import condense_validation_error, one_line
 
 PLAN_SCHEMA_VERSION = 1
+MESH_ORDER = ("pp", "dp", "tp")  # the runtime's device mesh, row-major (runtime/mesh.py)
 
 _PLACEMENT = re.compile(r"R|P|S\((\d+)\)")
 
@@ -226,6 +227,10 @@ class Plan(_Record):
                 f"mesh {shape} holds {math.prod(sizes.values())} devices but the world size is {world_size}: "
                 f"the mesh must cover every device exactly once"
             )
+        order = [axis.name for axis in self.mesh]
+        if any(name not in MESH_ORDER for name in order) or order != [a for a in MESH_ORDER if a in order]:
+            raise ValueError(f"mesh {shape}: the axes are pp, dp and tp, in that order (row-major, tp innermost), "
+                             f"each at most once")
         for knob in ("dp", "tp", "pp"):
             if sizes.get(knob, 1) != getattr(self.strategy, knob):
                 raise ValueError(f"mesh axis {knob}={sizes.get(knob, 1)} but strategy.{knob}={getattr(self.strategy, knob)}")
@@ -240,6 +245,13 @@ class Plan(_Record):
                 raise ValueError(f"stage {position} mesh_shape names axes {unknown} that the mesh lacks")
             if max(stage.device_ids) >= world_size:
                 raise ValueError(f"stage {position} uses device {max(stage.device_ids)} of a world of {world_size}")
+            stage_shape = {name: size for name, size in sizes.items() if name != "pp"}
+            if stage.mesh_shape != stage_shape:
+                raise ValueError(f"stage {position} mesh_shape {stage.mesh_shape} is not the mesh without pp "
+                                 f"({stage_shape})")
+        _check_stage_devices(self.stages, self.strategy.pp, world_size)
+        _check_stage_modules(self.stages, self.recompute_modules)
+        _check_schedule(self.strategy)
         # A parameter lives on one stage, so placements cover a stage's sub-mesh: every axis but pp.
         stage_axes = [axis.name for axis in self.mesh if axis.name != "pp"]
         for field in ("param_placements", "op_placements"):
@@ -257,11 +269,13 @@ class Plan(_Record):
                 if listed != count:
                     raise ValueError(f"stage {stage.index} recomputes {listed} of its modules but "
                                      f"strategy.recompute_layers gives it {count}")
-        if self.predicted is not None and len(self.predicted.peak_memory_bytes) != self.strategy.pp:
-            raise ValueError(
-                f"predicted.peak_memory_bytes has {len(self.predicted.peak_memory_bytes)} entries; "
-                f"give one per pipeline rank (pp={self.strategy.pp})"
-            )
+        if self.predicted is not None:
+            for field, values in (("peak_memory_bytes", self.predicted.peak_memory_bytes),
+                                  ("compute_s", self.predicted.compute_s),
+                                  ("collectives", self.predicted.collectives)):
+                if len(values) != self.strategy.pp and (values or field == "peak_memory_bytes"):
+                    raise ValueError(f"predicted.{field} has {len(values)} entries; give one per pipeline rank "
+                                     f"(pp={self.strategy.pp})")
         return self
 
     def to_json(self) -> str:
@@ -272,13 +286,71 @@ class Plan(_Record):
         return cls.model_validate_json(text)
 
 
+def _check_stage_devices(stages: list[StagePlan], pp: int, world_size: int) -> None:
+    """Stage i runs on pipeline rank i mod pp, and pipeline rank r owns the r-th contiguous block of
+    the (pp, dp, tp) row-major mesh: no device runs two pipeline ranks, none is left idle."""
+    block = world_size // pp
+    owner: dict[int, int] = {}
+    for stage in stages:
+        rank = stage.index % pp
+        for device in stage.device_ids:
+            if owner.setdefault(device, rank) != rank:
+                raise ValueError(f"device {device} runs stages of pipeline ranks {owner[device]} and {rank} (stage "
+                                 f"{stage.index}): each device belongs to one pipeline rank")
+        expected = list(range(rank * block, (rank + 1) * block))
+        if sorted(stage.device_ids) != expected:
+            raise ValueError(f"stage {stage.index} runs on devices {stage.device_ids}, but pipeline rank {rank} "
+                             f"(stage i on rank i mod pp={pp}) owns devices {expected} of the pp x dp x tp mesh")
+
+
+def _check_stage_modules(stages: list[StagePlan], recompute_modules: list[str]) -> None:
+    """Each module runs in one stage: listed once, and never inside (or around) another stage's module."""
+    where: dict[str, int] = {}
+    for stage in stages:
+        for path in stage.module_paths:
+            if not path:
+                raise ValueError(f"stage {stage.index} lists an empty module path")
+            if where.setdefault(path, stage.index) != stage.index:
+                raise ValueError(f"module {path!r} is listed in stage {where[path]} and stage {stage.index}: "
+                                 f"each module runs in one stage")
+    for path, index in where.items():
+        parent = path.rpartition(".")[0]
+        while parent:
+            if where.get(parent, index) != index:
+                raise ValueError(f"module {path!r} (stage {index}) lies inside module {parent!r} "
+                                 f"(stage {where[parent]}): each module runs in one stage")
+            parent = parent.rpartition(".")[0]
+    for path in recompute_modules:
+        if not any(path == listed or path.startswith(f"{listed}.") for listed in where):
+            raise ValueError(f"recompute_modules names {path!r}, which no stage runs")
+    if len(set(recompute_modules)) != len(recompute_modules):
+        raise ValueError("recompute_modules lists a module twice")
+
+
+def _check_schedule(strategy: Strategy) -> None:
+    """What torch's pipeline schedules need of the micro-batch count (as the searcher plans it)."""
+    s = strategy
+    if s.pp > 1 and s.schedule in ("1f1b", "interleaved") and s.num_microbatches < s.pp:
+        raise ValueError(f"schedule {s.schedule} needs at least pp={s.pp} micro-batches, the plan has "
+                         f"{s.num_microbatches}")
+    if s.pp > 1 and s.schedule == "interleaved" and s.num_microbatches % s.pp:
+        raise ValueError(f"schedule interleaved needs the micro-batch count ({s.num_microbatches}) divisible by "
+                         f"pp={s.pp}")
+
+
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Serialize first, then write atomically: a crash leaves the old plan or the new, never half."""
     atomic_write_text(path, plan.to_json())
 
 
-def load_plan(path: str | Path, expected_fingerprint: str | None = None) -> Plan:
-    """Read a plan, refusing other schema versions and plans made for another model."""
+def load_plan(path: str | Path, expected_fingerprint: str | None = None, model: Any = None) -> Plan:
+    """Read a plan, refusing other schema versions, plans inconsistent in themselves and plans made for
+    another model. With `model` (an nn.Module), the plan is also checked against it: its fingerprint,
+    and everything the runtime would otherwise refuse only once the process group is up."""
+    if model is not None and expected_fingerprint is None:
+        from autopar.graph.capture import model_fingerprint
+
+        expected_fingerprint = model_fingerprint(model)
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "not found"
@@ -310,6 +382,12 @@ def load_plan(path: str | Path, expected_fingerprint: str | None = None) -> Plan
             f"plan {path} was made for model fingerprint {found} ({plan.provenance.model_name}), this model is "
             f"{expected_fingerprint}: re-run `autopar plan` for this model"
         )
+    if model is not None:
+        from autopar.plan_checks import plan_problem_for_model
+
+        problem = plan_problem_for_model(plan, model)
+        if problem:
+            raise AutoparError(f"plan {path} cannot run on this model: {problem}; re-run `autopar plan` for it")
     return plan
 
 

@@ -65,10 +65,6 @@ def run_command(args: argparse.Namespace) -> int:
     env = Environment.from_env()
     try:
         return _run(run_config(args), env)
-    except AutoparError as error:
-        if env.rank != 0:  # every rank meets the same bad input: let rank 0 alone say so
-            raise SystemExit(error.exit_code) from None
-        raise
     except RuntimeError as error:
         if env.world_size == 1 or getattr(args, "debug", False) or not _peer_failure(error):
             raise
@@ -117,6 +113,11 @@ def _run(args: RunConfig, env: Environment) -> int:
     if args.dry_run:
         _print_dry_run(plan, spec.name, env, global_batch, seq_len, precision)
         return 0
+    if plan.provenance.world_size != env.world_size:  # before any process group: one line, no hang
+        want, have = plan.provenance.world_size, env.world_size
+        running = "this is one process" if have == 1 else f"{have} are running"
+        raise AutoparError(f"the plan needs {want} processes but {running}: launch with `torchrun --nproc-per-node "
+                           f"{want} -m autopar run ...`, or re-plan with `autopar plan --gpus {have}`")
     dataset = open_data(args.data, spec.config.vocab, seq_len, global_batch)
     if cluster is None:
         cluster = _provenance_cluster(plan, env.world_size)
@@ -155,10 +156,9 @@ def _provenance_cluster(plan, world_size: int):
 
 
 def _load(path: str, spec, fixed: dict[str, Any]):
-    from autopar.graph.capture import model_fingerprint
     from autopar.plan_schema import load_plan
 
-    plan = load_plan(path, expected_fingerprint=model_fingerprint(spec.module))
+    plan = load_plan(path, model=spec.module)
     clashes = [f"{key}={value} (the plan has {key}={getattr(plan.strategy, key)})"
                for key, value in fixed.items() if getattr(plan.strategy, key) != value]
     if clashes:

@@ -58,6 +58,16 @@ class RunConfig(BaseModel):
         """The refusals that need no model, data or process group: one line each, before anything runs."""
         if self.steps < 1:
             raise AutoparError(f"--steps must be at least 1, got {self.steps}")
+        for flag in ("model", "plan", "cluster", "data", "checkpoint_dir", "resume", "metrics", "tensorboard",
+                     "profile_dir", "report"):
+            value = getattr(self, flag)
+            if value is not None and not value.strip():
+                raise AutoparError(f"--{flag.replace('_', '-')} is empty: give a value or leave the setting out")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise AutoparError(f"--seq-len must be at least 1, got {self.seq_len} (leave it out for the model's "
+                               f"default)")
+        if self.seed < 0:
+            raise AutoparError(f"--seed must be 0 or more, got {self.seed}")
         if self.global_batch is not None and self.global_batch < 1:
             raise AutoparError(f"--global-batch must be positive, got {self.global_batch}")
         if self.log_every < 1:
@@ -90,13 +100,47 @@ class RunConfig(BaseModel):
         if self.profile_steps >= self.steps:
             raise AutoparError(f"--profile-steps {self.profile_steps} needs more --steps than that (the first step "
                                f"warms up and is not measured): raise --steps above {self.profile_steps}")
-        for flag, path in (("--metrics", self.metrics), ("--report", self.report)):
+        self.check_outputs()
+
+    def check_outputs(self) -> None:
+        """Every output path, before anything is written: a file where a file goes, a directory (or one
+        that can be made) where a directory goes, and no two outputs on one path. Nothing is created here."""
+        from autopar.io import check_output_path
+
+        if self.metrics:
+            check_output_path(self.metrics, "--metrics")
+        if self.report:  # appended to: it must exist (check_profile_outputs says how to make it)
+            check_output_path(self.report, "--report")
+        directories = [("--tensorboard", self.tensorboard), ("--checkpoint-dir", self.checkpoint_dir)]
+        if self.profile_steps:
+            directories.append(("--profile-dir", self.profile_dir))
+        for flag, path in directories:
             if path:
-                directory = os.path.dirname(os.path.abspath(path))
-                if not os.path.isdir(directory):
-                    raise AutoparError(f"cannot write {path}: directory {directory} does not exist; create it first")
-        if self.tensorboard and Path(self.tensorboard).exists() and not Path(self.tensorboard).is_dir():
-            raise AutoparError(f"--tensorboard {self.tensorboard} is a file: give a directory")
+                _check_output_directory(path, flag)
+        named = [(flag, path) for flag, path in [("--metrics", self.metrics), ("--report", self.report), *directories]
+                 if path]
+        seen: dict[Path, str] = {}
+        for flag, path in named:
+            resolved = Path(path).resolve()
+            if resolved in seen:
+                raise AutoparError(f"{seen[resolved]} and {flag} both name {path}: give each output its own path")
+            seen[resolved] = flag
+
+
+def _check_output_directory(path: str, flag: str) -> None:
+    """A directory an output goes to: an existing writable directory, or one whose nearest existing
+    parent is a writable directory (it is created when first written)."""
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise AutoparError(f"{flag} {directory} is a file: give a directory")
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise AutoparError(f"cannot create {flag} {directory}: {existing} is a file, not a directory; choose "
+                           f"another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise AutoparError(f"cannot write {flag} {directory}: {existing} is not writable; choose another path")
 
 
 def add_run_arguments(run: argparse.ArgumentParser) -> None:

@@ -37,20 +37,22 @@ def parse_bytes(text: str) -> int:
 
 def add_profile_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `profile` on autopar's subcommands."""
+    from autopar.cli import NON_NEGATIVE, POSITIVE
+
     profile = subparsers.add_parser(
         "profile", help="measure op times (and, under torchrun, collectives) into a profile database")
     profile.add_argument("--db", required=True, metavar="PATH", help="profile database (SQLite), created if missing")
     profile.add_argument("--model", help="zoo name (e.g. gpt3-1.3b) or package.module:factory")
     profile.add_argument("--model-config", default=None, metavar="K=V,...", help="overrides, e.g. layers=4,hidden=256")
-    profile.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
-    profile.add_argument("--batch", type=int, default=1, help="batch size of the traced step (default 1)")
+    profile.add_argument("--seq-len", type=POSITIVE, default=None, help="sequence length (default: the model's)")
+    profile.add_argument("--batch", type=POSITIVE, default=1, help="batch size of the traced step (default 1)")
     profile.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
     profile.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where to measure (default cuda)")
     profile.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees whose sharded shapes to profile")
     profile.add_argument("--microbatches", default="1,2,4", help="micro-batch sizes whose shapes to profile")
-    profile.add_argument("--max-ops", type=int, default=None, metavar="N", help="measure at most N signatures this run")
-    profile.add_argument("--repeats", type=int, default=10, help="timed runs per op; the median is kept (default 10)")
-    profile.add_argument("--warmup", type=int, default=3, help="untimed runs before timing (default 3)")
+    profile.add_argument("--max-ops", type=NON_NEGATIVE, default=None, metavar="N", help="measure at most N signatures this run")
+    profile.add_argument("--repeats", type=POSITIVE, default=10, help="timed runs per op; the median is kept (default 10)")
+    profile.add_argument("--warmup", type=NON_NEGATIVE, default=3, help="untimed runs before timing (default 3)")
     profile.add_argument("--force", action="store_true", help="re-measure signatures the database already has")
     profile.add_argument("--collectives", action="store_true", help="profile collectives instead (run under torchrun)")
     profile.add_argument("--min-bytes", default="1K", help="smallest collective message (default 1K)")
@@ -87,13 +89,14 @@ def _profile_ops(args: argparse.Namespace) -> int:
     from autopar.profiler.graph_profile import profile_graph
     from autopar.profiler.operators import stderr_progress
 
-    with ProfileDB(args.db) as db:  # opened before the trace: a bad path fails fast
-        spec = build_model(args.model, args.model_config)
-        inputs = spec.example_inputs(args.batch, args.seq_len)
-        seq_len = args.seq_len or spec.default_seq_len
-        print(f"tracing {spec.name} ({args.precision}, batch {args.batch}, seq {seq_len}) ...", file=sys.stderr, flush=True)
-        graph = trace(spec.module, inputs, loss_fn=spec.loss_fn, precision=args.precision, name=spec.name,
-                      seq_len=seq_len)
+    check_database_path(args.db)  # a bad path fails fast, and nothing is created before the model traces
+    spec = build_model(args.model, args.model_config)
+    inputs = spec.example_inputs(args.batch, args.seq_len)
+    seq_len = args.seq_len or spec.default_seq_len
+    print(f"tracing {spec.name} ({args.precision}, batch {args.batch}, seq {seq_len}) ...", file=sys.stderr, flush=True)
+    graph = trace(spec.module, inputs, loss_fn=spec.loss_fn, precision=args.precision, name=spec.name,
+                  seq_len=seq_len)
+    with ProfileDB(args.db) as db:
         summary = profile_graph(
             graph, db, args.device, tp_degrees=tp_degrees, microbatches=microbatches, max_ops=args.max_ops,
             warmup=args.warmup, repeats=args.repeats, force=args.force, progress=stderr_progress(20),
@@ -112,24 +115,50 @@ def _profile_ops(args: argparse.Namespace) -> int:
 def _profile_collectives(args: argparse.Namespace) -> int:
     from autopar.profiler.collectives import COLLECTIVES, default_sizes, finish, profile_collectives, require_torchrun_env
 
-    require_torchrun_env()  # before touching the database or torch.distributed
-    ops = tuple(o.strip() for o in args.collective_ops.split(",")) if args.collective_ops else COLLECTIVES
+    ops = tuple(o.strip() for o in args.collective_ops.split(",")) if args.collective_ops is not None else COLLECTIVES
+    unknown = [op for op in ops if op not in COLLECTIVES]
+    if unknown or not ops:
+        raise AutoparError(f"--collective-ops {args.collective_ops!r}: unknown collective(s) "
+                           f"{', '.join(map(repr, unknown))}; choose from {', '.join(COLLECTIVES)}")
     import torch
 
     from autopar.profiler.database import ProfileDB
 
     gpu = torch.cuda.is_available()
     max_bytes = parse_bytes(args.max_bytes) if args.max_bytes else (2**30 if gpu else 16 * 2**20)
-    sizes = default_sizes(parse_bytes(args.min_bytes), max_bytes)
+    min_bytes = parse_bytes(args.min_bytes)
+    if min_bytes < 1 or max_bytes < min_bytes:
+        raise AutoparError(f"message sizes --min-bytes {args.min_bytes} to --max-bytes {args.max_bytes or max_bytes}: "
+                           f"give at least one byte, and a maximum no smaller than the minimum")
+    sizes = default_sizes(min_bytes, max_bytes)
+    require_torchrun_env()  # before touching the database or torch.distributed
     rank = int(os.environ.get("RANK", "0"))
-    db = ProfileDB(args.db) if rank == 0 else None
-    try:
-        fits = profile_collectives(sizes, collectives=ops, warmup=args.warmup, repeats=args.repeats, db=db,
+    if rank == 0:
+        check_database_path(args.db)
+    try:  # the fits are stored once all are measured: a run that fails leaves the database as it was
+        fits = profile_collectives(sizes, collectives=ops, warmup=args.warmup, repeats=args.repeats,
                                    progress=lambda line: print(line, file=sys.stderr, flush=True))
     finally:
-        if db is not None:
-            db.close()
         finish()
     if rank == 0:
+        with ProfileDB(args.db) as db:
+            for fit in fits:
+                db.record_collective_fit(fit)
         print(f"stored {len(fits)} collective fits in {args.db}")
     return 0
+
+
+def check_database_path(path: str) -> None:
+    """Refuse, before any work and without creating anything, a --db that cannot be written: an
+    existing file must be an autopar profile database, a new one needs a writable directory."""
+    from pathlib import Path
+
+    from autopar.io import check_output_path
+    from autopar.profiler.database import ProfileDB
+
+    if not path.strip():
+        raise AutoparError("--db is empty: give the path of a profile database (created if missing)")
+    target = Path(path)
+    if target.is_file() and target.stat().st_size > 0:
+        ProfileDB(target, readonly=True).close()  # validates it is ours, reading only
+    check_output_path(target, "profile database")

@@ -63,7 +63,7 @@ def _assert_one_line_error(code, out, err, *words):
         (["inspect", "--model", "no_such_pkg.models:build"], ["cannot import 'no_such_pkg.models'"]),
         (["inspect", "--model", "gpt2-124m", "--seq-len", "4096"], ["exceeds", "seq_len=4096"]),
         (["inspect", "--model", "gpt", "--model-config", "hidden=100,heads=3"], ["divisible by heads"]),
-        (["inspect", "--model", "gpt", "--batch", "0"], ["batch must be positive"]),
+        (["inspect", "--model", "gpt", "--batch", "0"], ["--batch", "must be at least 1"]),
         (["inspect"], ["--model"]),
         (["frobnicate"], ["invalid choice"]),
         (["inspect", *SMALL, "--gpus", "8"], ["give --cluster too"]),

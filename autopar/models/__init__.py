@@ -66,7 +66,10 @@ class ModelSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def example_inputs(self, batch: int, seq_len: int | None = None, device: torch.device | str = "meta"):
-        seq = seq_len or self.default_seq_len
+        if seq_len is not None and seq_len < 1:
+            raise AutoparError(f"sequence length must be at least 1, got {seq_len}: give a positive --seq-len, or "
+                               f"leave it out for the model's default ({self.default_seq_len})")
+        seq = self.default_seq_len if seq_len is None else seq_len
         if self.config is not None and seq > self.config.seq_len:
             raise AutoparError(
                 f"sequence length {seq} exceeds {self.name}'s maximum of {self.config.seq_len}: "
@@ -129,35 +132,79 @@ def build_model(
 
 
 def _build_factory(target: str, overrides: dict[str, Any], device: torch.device | str) -> ModelSpec:
+    """A user's `package.module:factory`. Whatever its code raises (at import, or while building) becomes
+    one line naming the factory and the error; `--debug` shows the traceback (chained as the cause)."""
     module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise AutoparError(f"model {target!r} is not package.module:factory: name a module and a function in it")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except ImportError as error:
-        raise AutoparError(
-            f"cannot import {module_name!r} for model {target!r} ({error}): check the module path and PYTHONPATH"
-        ) from None
-    except AttributeError:
-        raise AutoparError(f"module {module_name!r} has no {attr!r}: name a factory function as package.module:factory") from None
+        module_object = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name == module_name or module_name.startswith(f"{error.name}."):  # the module itself is missing
+            raise AutoparError(f"cannot import {module_name!r} for model {target!r} ({error}): check the module path "
+                               f"and PYTHONPATH") from error
+        raise _factory_error(target, f"importing {module_name!r}", error) from error
+    except (Exception, SystemExit) as error:  # a syntax error, or whatever the module raises at import
+        raise _factory_error(target, f"importing {module_name!r}", error) from error
+    factory = getattr(module_object, attr, None)
+    if factory is None:
+        raise AutoparError(f"module {module_name!r} has no {attr!r}: name a factory function as package.module:factory")
+    if not callable(factory):
+        raise AutoparError(f"{target!r} is not callable (it is {type(factory).__name__}): name a factory function")
     try:
         with torch.device(device):
             module = factory(**overrides)
     except TypeError as error:
-        raise AutoparError(f"factory {target!r} rejected its arguments ({error}): check --model-config keys") from None
+        raise AutoparError(f"factory {target!r} rejected its arguments ({_error_text(error)}): check --model-config "
+                           f"keys (--debug shows the traceback)") from error
+    except (Exception, SystemExit) as error:
+        raise _factory_error(target, "building the model", error) from error
     if not isinstance(module, nn.Module):
         raise AutoparError(f"factory {target!r} returned {type(module).__name__}, not an nn.Module")
+    try:
+        default_seq_len = int(getattr(module, "default_seq_len", 128))
+    except (TypeError, ValueError):
+        raise AutoparError(f"factory {target!r} built a model whose default_seq_len "
+                           f"{getattr(module, 'default_seq_len')!r} is not a whole number: fix the model") from None
+    if default_seq_len < 1:
+        raise AutoparError(f"factory {target!r} built a model whose default_seq_len is {default_seq_len}: give it a "
+                           f"positive sequence length")
     return ModelSpec(
         name=target,
         module=module,
         config=None,
         make_inputs=_factory_inputs(target, module),
         loss_fn=getattr(module, "loss", None),
-        default_seq_len=int(getattr(module, "default_seq_len", 128)),
+        default_seq_len=default_seq_len,
     )
+
+
+def _error_text(error: BaseException) -> str:
+    """`Kind: message` on one line; a syntax error also says where."""
+    from autopar.validation import one_line
+
+    if isinstance(error, SyntaxError) and error.filename:
+        return one_line(f"SyntaxError: {error.msg} ({error.filename}, line {error.lineno})", 200)
+    message = one_line(str(error), 200)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def _factory_error(target: str, doing: str, error: BaseException) -> AutoparError:
+    return AutoparError(f"factory {target!r} failed while {doing}: {_error_text(error)}; fix the factory's code "
+                        f"(--debug shows the traceback)")
 
 
 def _factory_inputs(target: str, module: nn.Module):
     if callable(getattr(module, "example_inputs", None)):
-        return lambda batch, seq, dev: tuple(module.example_inputs(batch, seq, dev))
+        def example(batch: int, seq: int, dev: Any) -> tuple[torch.Tensor, ...]:
+            try:
+                return tuple(module.example_inputs(batch, seq, dev))
+            except AutoparError:
+                raise
+            except (Exception, SystemExit) as error:
+                raise _factory_error(target, "making example inputs (its example_inputs method)", error) from error
+
+        return example
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
     if vocab is not None:  # a Hugging Face style language model: token ids in, logits out
         return lambda batch, seq, dev: (

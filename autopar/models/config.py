@@ -12,7 +12,7 @@ from autopar.errors import AutoparError
 class TransformerConfig(BaseModel):
     """Shape of a decoder-only transformer; one object describes both built-in families."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # `rope_theta=inf` is no shape
 
     family: Literal["gpt", "llama"] = "gpt"
     layers: int = 12
@@ -30,9 +30,12 @@ class TransformerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TransformerConfig":
-        for name in ("layers", "hidden", "heads", "vocab", "seq_len"):
-            if getattr(self, name) <= 0:
+        for name in ("layers", "hidden", "heads", "vocab", "seq_len", "kv_heads", "ffn_hidden", "norm_eps",
+                     "rope_theta", "init_std"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be at least 0 and below 1, got {self.dropout}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.num_kv_heads:
@@ -78,6 +81,10 @@ def parse_overrides(text: str | None) -> dict[str, object]:
                 f"--model-config item {item!r} is not key=value: write e.g. --model-config layers=4,hidden=256"
             )
         key, raw = (part.strip() for part in item.split("=", 1))
+        if not key:
+            raise AutoparError(f"--model-config item {item!r} has no key: write e.g. --model-config layers=4,hidden=256")
+        if key in overrides:
+            raise AutoparError(f"--model-config sets {key} twice: give each key once")
         overrides[key] = _coerce(raw)
     return overrides
 

@@ -19,8 +19,8 @@ from autopar.report.compare import ComparisonRow
 from autopar.report.model import MEMORY_PARTS, Report
 from autopar.report.svg import breakdown_svg, group_rows, memory_svg, mesh_svg, timeline_svg
 from autopar.report.timeline import idle_s, makespan_s, timeline
-from autopar.report.views import (GiB, compact_units, counts_text, format_value, mfu_label, mfu_text, obvious_rows, rank_rows,
-                                  recompute_text, runner_up_reasons)
+from autopar.report.views import (GiB, checkpoint_lines, compact_units, counts_text, format_value, mfu_label, mfu_text,
+                                  obvious_rows, rank_rows, recompute_text, runner_up_reasons)
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "num_microbatches",
                  "schedule", "vp")
@@ -72,7 +72,14 @@ def _summary_section(report: Report) -> str:
             + (f' (fixed: {escape(", ".join(report.fixed))})' if report.fixed else "")
             + f'</p><div class="kpis">{cards}</div>{fits}<p class="note" id="mfu-note">{escape(mfu_text(report.mfu_basis))}</p>'
             + (f'<p class="note">searched {search.candidates:,} strategies in {search.seconds:.1f} s</p>'
-               if search else ""))
+               if search else "") + _checkpoint_rows(report))
+
+
+def _checkpoint_rows(report: Report) -> str:
+    if report.checkpoint is None:
+        return ""
+    lines = [escape(line) for line in checkpoint_lines(report.checkpoint, report.cluster.world_size) if line]
+    return '<p id="checkpoint-cost">checkpoint: ' + "<br>".join(lines) + "</p>"
 
 
 def _mesh_section(report: Report) -> str:

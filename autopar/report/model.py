@@ -207,6 +207,24 @@ class SearchStats(_Part):
     rejected: dict[str, int] = {}
 
 
+class CheckpointCost(_Part):
+    """Saving one checkpoint of this plan (cost_models/checkpoint.py), and how often Young/Daly would
+    save one. A checkpoint holds fp32 weights and AdamW's two moments, 12 bytes per parameter, each
+    tensor written once and spread over the ranks that hold a copy (as DCP writes it)."""
+
+    checkpoint_bytes: float  # the whole checkpoint
+    bytes_per_rank: list[float]  # one per pipeline rank: what each of its GPUs writes
+    busiest_node_bytes: float
+    node_storage_write_bytes_per_s: float
+    hash_bytes_per_s: float  # sha256 on one thread, measured on the machine that planned
+    save_time_s: float
+    failures_per_gpu_hour: float
+    mtbf_s: float  # the job's, at that rate over its GPUs
+    interval_s: float  # Young/Daly's compute time between checkpoints
+    checkpoint_every: int  # the interval in steps of the plan's predicted step time
+    leaves_out: str = ""  # what the prediction does not price
+
+
 class Report(EvaluationReport):
     """Everything `autopar plan` reports; the `--json` output."""
 
@@ -226,6 +244,7 @@ class Report(EvaluationReport):
     pipeline: PipelineInfo | None = None
     plan: Plan | None = None  # None when nothing fits
     sharding: list[ShardingRow] | None = None
+    checkpoint: CheckpointCost | None = None  # None in reports saved before it was added
 
     @classmethod
     def from_json(cls, text: str, source: str = "report") -> Report:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from autopar.cost_models.strategy import STRATEGY_KEYS
 from autopar.report.model import Report
-from autopar.report.views import (GiB, compact_units, mfu_label, mfu_text, obvious_rows, plural, rank_rows,
-                                  recompute_text, runner_up_reasons, seconds_text, strategy_flag,
+from autopar.report.views import (GiB, checkpoint_lines, compact_units, mfu_label, mfu_text, obvious_rows, plural,
+                                  rank_rows, recompute_text, runner_up_reasons, seconds_text, strategy_flag,
                                   strategy_label)
 
 _SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "interleaved 1F1B"}
@@ -15,7 +15,7 @@ _SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "interleaved 1F1B
 
 def render_text(report: Report) -> str:
     sections = [_header(report), _layout(report), _prediction(report), _breakdown(report), _ranks(report),
-                _memory(report), _runners_up(report), _why_not(report), _search(report)]
+                _memory(report), _checkpoint(report), _runners_up(report), _why_not(report), _search(report)]
     return "\n\n".join(section for section in sections if section)
 
 
@@ -118,6 +118,13 @@ def _memory(report: Report) -> str:
             f"{getattr(parts, k) / GiB:.1f}" for k in ("parameters", "gradients", "optimizer_states", "activations",
                                                        "buffers")) + f" (+{parts.margin / GiB:.1f} margin)")
     return "\n".join(lines)
+
+
+def _checkpoint(report: Report) -> str:
+    if report.checkpoint is None:
+        return ""
+    lines = [line for line in checkpoint_lines(report.checkpoint, report.cluster.world_size) if line]
+    return "checkpoint\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def _runners_up(report: Report) -> str:
