@@ -128,24 +128,27 @@ def test_hf_llama_world4_data_and_tensor_parallel():
     _parity("llama", LLAMA_WORLD4, world=4)
 
 
-@pytest.mark.parametrize("family, strategy, reason", [
-    ("gpt2", dict(tp=2), "shards only nn.Linear and nn.Embedding weights"),
+@pytest.mark.parametrize("family, strategy, world, reason", [
+    ("gpt2", dict(tp=2, sp=True), 2, "sequence parallelism runs only under the module rules"),
+    ("gpt2", dict(tp=2, pp=2), 4, "only through DTensor, which the runtime does not combine with pipeline stages"),
 ])
-def test_searcher_refuses_what_the_runtime_cannot_run(family, strategy, reason):
-    """Asked for it, the searcher names the reason; left free, it rejects every such candidate for it."""
+def test_searcher_refuses_what_the_runtime_cannot_run(family, strategy, world, reason):
+    """GPT-2's Conv1D projections run tp only through DTensor (tests/test_hf_tensor_parallel.py), which
+    has neither sequence parallelism nor pipeline stages. Asked for either, the searcher names the
+    reason; left free, it rejects every such candidate for it."""
     from autopar.cluster import load_cluster
     from autopar.errors import AutoparError
     import autopar
 
     with pytest.raises(AutoparError, match=reason):
-        hf_plan(family, strategy, 2)
+        hf_plan(family, strategy, world)
     model = hf_model(family)
     example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     result = autopar.plan(model, (example,), cluster=load_cluster("dgx-h100", gpus=4), global_batch=GLOBAL_BATCH,
                           loss_fn=hf_loss, precision="fp32", name=family, seq_len=SEQ, use_ilp=False).search
-    key = next(iter(strategy))
     assert sum(count for why, count in result.rejected.items() if re.search(reason, why)) > 0, result.rejected
-    assert all(getattr(candidate.strategy, key) == 1 for candidate in result.ranked), result.ranked
+    refused = [c.strategy for c in result.ranked if all(getattr(c.strategy, k) == v for k, v in strategy.items())]
+    assert not refused, refused
 
 
 def test_a_meta_device_hf_model_needs_real_weights():
