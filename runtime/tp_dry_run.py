@@ -73,8 +73,12 @@ class DryRunSpec:
 
 
 def dry_run(model: nn.Module, example_input: torch.Tensor, loss_fn: Callable, spec: DryRunSpec) -> DryRun:
-    """Run `spec` on fake tensors; in a subprocess when a default process group is live."""
-    if dist.is_available() and dist.is_initialized():
+    """Run `spec` on fake tensors; in a subprocess when a default process group is live, or will be
+    (a process torchrun started): some state of the fake group (rank 0) outlives it, and the real tp
+    shards made afterwards on rank 1 had rank 0's mesh coordinate (tests/test_run_experience.py's
+    torchrun tp=2 run, which searches its plan first, caught it)."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if dist.is_available() and (dist.is_initialized() or launched):
         return _in_subprocess(model, example_input, loss_fn, spec)
     return _here(model, example_input, loss_fn, spec)
 
