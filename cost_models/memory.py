@@ -93,8 +93,13 @@ def device_memory(
     dp: int,
     activation_bytes: float,
     optimizer_state: str = "fp32",
+    offload: str = "none",
 ) -> MemoryBreakdown:
+    """`offload="optimizer"`: the optimizer states (fp32 master weights and moments) live in host
+    memory (`cost_models.offload`); the device keeps the compute-precision weights and gradients."""
     weights, gradients, optimizer = model_state_bytes(params_on_device, precision, zero, dp, optimizer_state)
+    if offload == "optimizer":
+        optimizer = 0.0
     per = state_bytes_per_param(precision, optimizer_state)
     if zero >= 3:  # the gathered layer in use and the next one being prefetched
         buffers = 2 * largest_unit_params * per.weight
