@@ -108,6 +108,10 @@ class Capabilities:
     # set by the search, which knows the graph's layout.
     tp_refusal: Callable[[Strategy], str | None] | None = None
 
+    @property
+    def supports_offload(self) -> bool:
+        return "optimizer" in self.offload
+
     def supports(self, strategy: Strategy) -> str | None:
         """None when the runtime can execute `strategy`, else the reason it cannot."""
         for knob in IMPLEMENTATION_KNOBS:  # priced for other software; the runtime runs its defaults only

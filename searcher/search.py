@@ -81,9 +81,48 @@ class SearchResult:
     ilp_solve_s: float = 0.0
     ilp_refused: int = 0  # ILP solutions the runtime could not execute (the propagation's plan stood)
     ilp_budgeted: int = 0  # ILP solves under a layer's memory budget (the fastest sharding overflowed it)
+    # When nothing fit without offload and offload was free: the closest plan without it (the
+    # result is then the search with offload=optimizer, whether or not that fits).
+    without_offload: Evaluation | None = None
 
 
 def search(
+    graph: OpGraph,
+    facts: ModelFacts,
+    cluster: ClusterSpec,
+    global_batch: int,
+    *,
+    fixed: dict[str, Any] | None = None,
+    capabilities: Capabilities = RUNTIME_CAPABILITIES,
+    **options: Any,
+) -> SearchResult:
+    """The best plan that fits, and the alternatives. Optimizer-state offload costs a CPU step and
+    PCIe copies every step, so it is offered only when no plan without it fits (and the user left
+    `offload` free): then the search runs again with offload=optimizer, and its result, fitting or
+    not, carries the closest plan without offload (`without_offload`, a why-not row)."""
+    fixed = dict(fixed or {})
+    result = _search_once(graph, facts, cluster, global_batch, fixed=fixed, capabilities=capabilities, **options)
+    if result.best is not None or "offload" in fixed or capabilities.supports_offload is False:
+        return result
+    try:
+        offloaded = _search_once(graph, facts, cluster, global_batch, fixed={**fixed, "offload": "optimizer"},
+                                 capabilities=capabilities, **options)
+    except AutoparError:  # no completion of the fixed keys can offload (e.g. tp > 1 fixed)
+        return result
+    closest = result.ranked[0].evaluation
+    row = WhyNot("no offload (offload=none)", closest.strategy,
+                 f"nothing fits without offload: the closest needs {closest.peak_memory_bytes / 2**30:.1f} GiB per GPU "
+                 f"> {closest.capacity_bytes / 2**30:.1f} GiB usable (optimizer states "
+                 f"{max(m.optimizer_states for m in closest.memory) / 2**30:.1f} GiB)",
+                 fits=False, peak_memory_bytes=closest.peak_memory_bytes)
+    return dataclasses.replace(
+        offloaded, why_not=[row, *offloaded.why_not], candidates=result.candidates + offloaded.candidates,
+        rejected={**result.rejected, **offloaded.rejected}, search_s=result.search_s + offloaded.search_s,
+        ilp_variables=result.ilp_variables + offloaded.ilp_variables,
+        ilp_solve_s=result.ilp_solve_s + offloaded.ilp_solve_s, without_offload=closest)
+
+
+def _search_once(
     graph: OpGraph,
     facts: ModelFacts,
     cluster: ClusterSpec,
