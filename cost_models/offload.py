@@ -5,10 +5,10 @@ et al. 2021, which also overlaps the CPU step with the next forward and delays p
 - Host memory holds each rank's shard of the fp32 weights (the master copy), the reduced fp32
   gradients and Adam's two moments: 16 bytes per parameter shard (12 with bf16 moments). The
   device keeps the compute-precision weights and gradients; it loses the optimizer states.
-- Per step, PCIe moves every parameter shard host→device (4 bytes, before its unit's all-gather,
-  prefetched one FSDP unit ahead of the forward) and every gradient shard device→host (4 bytes,
-  after its reduce-scatter, overlapped with the rest of the backward). Each direction hides behind
-  the pass it overlaps except, at least, one unit's share.
+- PCIe moves parameter shards host→device (4 bytes each, before their unit's all-gather, prefetched
+  one FSDP unit ahead) and gradient shards device→host (4 bytes, after their reduce-scatter),
+  as often as the ZeRO stage gathers and reduces (`transfers_per_step`). Each direction hides
+  behind the passes it overlaps except, at least, one unit's share.
 - The Adam step runs on the CPU after the last backward, exposed: 28 bytes per parameter over the
   GPU's share of the node's host memory bandwidth, at `CPU_ADAM_EFFICIENCY`. The device's own
   optimizer step is gone.
