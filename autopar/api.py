@@ -138,9 +138,20 @@ class PlanResult:
             helps.append("let dp/tp/pp be chosen")
         if seq := self.seq_len:
             helps.append(f"a sequence shorter than {seq}")
+        if fixed.get("offload") == "none":
+            helps.append("leave offload free (or offload=optimizer) to keep optimizer states in host memory")
         cause = f" (fixed: {', '.join(f'{k}={v}' for k, v in fixed.items())})" if fixed else ""
-        return (f"no plan fits in {closest.capacity_bytes / 2**30:.1f} GiB per GPU (the closest needs "
-                f"{closest.peak_memory_bytes / 2**30:.1f} GiB){cause}: {'; or '.join(helps)}")
+        reason = (f"no plan fits in {closest.capacity_bytes / 2**30:.1f} GiB per GPU (the closest needs "
+                  f"{closest.peak_memory_bytes / 2**30:.1f} GiB)")
+        offloaded = self.search.with_offload or (closest if closest.strategy.offload != "none" else None)
+        if offloaded is not None:
+            short = [f"{offloaded.peak_memory_bytes / 2**30:.1f} GiB per GPU"] \
+                if offloaded.peak_memory_bytes > offloaded.capacity_bytes else []
+            if not offloaded.fits_host:
+                short.append(f"{offloaded.host_memory_bytes / 2**30:.1f} GiB of host memory per node (of "
+                             f"{offloaded.host_capacity_bytes / 2**30:.1f} GiB usable)")
+            reason += f", and even with optimizer states offloaded to the CPU it needs {' and '.join(short)}"
+        return f"{reason}{cause}: {'; or '.join(helps)}"
 
     def save(self, path: str | Path) -> None:
         """Write the plan file `autopar run --plan` reads."""

@@ -82,6 +82,10 @@ class Capabilities:
     sequence_parallel: bool = True
     max_vp: int = 8
     max_zero_with_pipeline: int = 1  # see `supports`
+    # Optimizer-state offload: FSDP2's CPUOffloadPolicy (`runtime.data_parallel.apply_fsdp`), so it
+    # needs FSDP2 (zero ≥ 1, over a dp mesh of any size, 1 included). Without tp and pp: the parity
+    # tests cover dp only, and torch's pipeline stages drive FSDP2 themselves.
+    offload: tuple[str, ...] = ("none", "optimizer")
     # Whether the runtime realizes per-parameter tp placements (of the model being planned): given
     # {parameter: "R" | "S(d)"}, None or the reason it cannot. The intra-op ILP's solutions are kept
     # only when this accepts them; None means no model is at hand and the ILP's placements are
@@ -104,6 +108,10 @@ class Capabilities:
     # set by the search, which knows the graph's layout.
     tp_refusal: Callable[[Strategy], str | None] | None = None
 
+    @property
+    def supports_offload(self) -> bool:
+        return "optimizer" in self.offload
+
     def supports(self, strategy: Strategy) -> str | None:
         """None when the runtime can execute `strategy`, else the reason it cannot."""
         for knob in IMPLEMENTATION_KNOBS:  # priced for other software; the runtime runs its defaults only
@@ -117,6 +125,14 @@ class Capabilities:
             return f"the runtime has no ZeRO stage {strategy.zero}"
         if strategy.recompute not in self.recompute:
             return f"the runtime has no {strategy.recompute} recompute"
+        if strategy.offload not in self.offload:
+            return f"the runtime has no offload={strategy.offload}"
+        if strategy.offload != "none":
+            if strategy.zero < 1:
+                return ("offload=optimizer runs through FSDP2's CPU offload policy: it needs zero ≥ 1 (FSDP2 runs "
+                        "on one GPU too)")
+            if strategy.tp > 1 or strategy.pp > 1:
+                return "the runtime offloads optimizer states with data parallelism only: use tp=1 and pp=1"
         if strategy.sp and not self.sequence_parallel:
             return "the runtime has no sequence parallelism"
         if strategy.vp > self.max_vp:

@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cluster", required=True, help="preset name or YAML/JSON cluster file")
     plan.add_argument("--gpus", type=POSITIVE, help="size the cluster preset to this many GPUs")
     plan.add_argument("--strategy", default="", help="fixed keys, e.g. tp=8,pp=12,dp=16,microbatch=1,zero=1,"
-                      "recompute=full,recompute_layers=2,schedule=1f1b,vp=1,sp=true (recompute_layers: the first k layers "
-                      "of each stage recompute, k per stage as 3/2/1/0, or all); keys left out are chosen by the cost model")
+                      "recompute=full,recompute_layers=2,schedule=1f1b,vp=1,sp=true,offload=optimizer (recompute_layers: the first "
+                      "k layers of each stage recompute, k per stage as 3/2/1/0, or all; offload=optimizer: optimizer "
+                      "states and its step on the CPU); keys left out are chosen by the cost model")
     plan.add_argument("--json", metavar="PATH", help="write the prediction as JSON to PATH, or - for stdout")
     plan.add_argument("--save-plan", metavar="PATH", help="write the chosen plan (the file `autopar run --plan` reads)")
     plan.add_argument("--report", metavar="PATH", help="write a self-contained HTML report (mesh, schedule, memory, "

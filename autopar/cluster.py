@@ -133,6 +133,13 @@ class ClusterSpec(_Spec):
     # Fraction of each GPU's usable memory plans leave free (`DEFAULT_MEMORY_HEADROOM`'s reason);
     # a cluster file sets its own, e.g. `memory_headroom: 0.1`, or 0 once memory is validated.
     memory_headroom: float = Field(default=DEFAULT_MEMORY_HEADROOM, ge=0, lt=1)
+    # Optimizer-state offload (`offload=optimizer`): each GPU's PCIe link to its host, one direction,
+    # and the node's host memory and its bandwidth (what the CPU optimizer step reads and writes).
+    # Defaults are the DGX A100's (`HOST_LINK_PRESETS`, `_DGX_HOSTS`); a cluster file may override
+    # each, e.g. `host_link: {bandwidth_bytes_per_s: 20e9}` (taken as measured: efficiency 1).
+    host_link: LinkSpec = Field(default_factory=lambda: HOST_LINK_PRESETS["pcie4-x16"])
+    host_memory_bytes: Bytes = Field(default=2**40)
+    host_memory_bandwidth_bytes_per_s: float = Field(default=409.6e9, gt=0)
 
     @property
     def world_size(self) -> int:
@@ -208,19 +215,51 @@ LINK_PRESETS: dict[str, LinkSpec] = {
 }
 
 
-def _dgx(name: str, gpu: str, nvlink: str, network: str, storage_bytes_per_s: float = 50e9) -> ClusterSpec:
+# --- host links: PCIe between each GPU and its CPU, per GPU, one direction ----------------------
+# Line rates from the PCIe specifications: Gen4 16 GT/s and Gen5 32 GT/s per lane, 128b/130b
+# encoding, x16: 31.5 and 63.0 GB/s each way. Measured: an A100's Gen4 x16 peaks at 25 GB/s
+# ("it is measured peak", the BaM authors in ZaidQureshi/bam issue #54): 0.79 of the line rate.
+# An H100's Gen5 x16 moves 35.2 GB/s host-to-device and 52.8 GB/s device-to-host with nvbandwidth's
+# memcpy_sm tests on a DGX H100 (NVIDIA/nvbandwidth issue #24); offload moves as many bytes each way
+# per step, so we price both directions at their mean, 44 GB/s: 0.70. Latency: a copy launch
+# (nominal 10 us; it is paid once per FSDP unit, negligible beside gigabytes).
+HOST_LINK_PRESETS: dict[str, LinkSpec] = {
+    spec.name: spec
+    for spec in (
+        LinkSpec(name="pcie4-x16", bandwidth_bytes_per_s=31.5e9, latency_s=10e-6, efficiency=0.79,
+                 source="PCIe 4.0 x16 line rate; measured A100 peak 25 GB/s (ZaidQureshi/bam #54)"),
+        LinkSpec(name="pcie5-x16", bandwidth_bytes_per_s=63.0e9, latency_s=10e-6, efficiency=0.70,
+                 source="PCIe 5.0 x16 line rate; H100 memcpy 35.2/52.8 GB/s H2D/D2H (NVIDIA/nvbandwidth #24)"),
+    )
+}
+# Host memory per node and its bandwidth (DDR channels x transfer rate x 8 bytes, both sockets):
+# DGX A100: 2 AMD EPYC 7742, 8 channels DDR4-3200 each = 409.6 GB/s; 1 TB (320 GB model) or 2 TB
+# (640 GB model) of system memory (NVIDIA DGX A100 datasheet). DGX H100/H200: 2 Intel Xeon Platinum
+# 8480C, 8 channels DDR5-4800 each = 614.4 GB/s; 2 TB (NVIDIA DGX H100/H200 datasheets).
+_DGX_HOSTS = {
+    "a100-40gb": dict(host_link=HOST_LINK_PRESETS["pcie4-x16"], host_memory_bytes=10**12,
+                      host_memory_bandwidth_bytes_per_s=409.6e9),
+    "a100-80gb": dict(host_link=HOST_LINK_PRESETS["pcie4-x16"], host_memory_bytes=2 * 10**12,
+                      host_memory_bandwidth_bytes_per_s=409.6e9),
+    "h100": dict(host_link=HOST_LINK_PRESETS["pcie5-x16"], host_memory_bytes=2 * 10**12,
+                 host_memory_bandwidth_bytes_per_s=614.4e9),
+}
+
+
+def _dgx(name: str, gpu: str, nvlink: str, network: str, host: str,
+         storage_bytes_per_s: float = 50e9) -> ClusterSpec:
     return ClusterSpec(name=name, gpu=GPU_PRESETS[gpu], gpus_per_node=8, num_nodes=1,
                        intra_node=LINK_PRESETS[nvlink], inter_node=LINK_PRESETS[network],
-                       node_storage_write_bytes_per_s=storage_bytes_per_s)
+                       node_storage_write_bytes_per_s=storage_bytes_per_s, **_DGX_HOSTS[host])
 
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     spec.name: spec
     for spec in (
-        _dgx("dgx-a100-40gb", "A100-SXM4-40GB", "nvlink3", "ib-hdr", storage_bytes_per_s=25e9),
-        _dgx("dgx-a100-80gb", "A100-SXM4-80GB", "nvlink3", "ib-hdr", storage_bytes_per_s=25e9),
-        _dgx("dgx-h100", "H100-SXM5-80GB", "nvlink4", "ib-ndr"),
-        _dgx("dgx-h200", "H200-SXM-141GB", "nvlink4", "ib-ndr"),
+        _dgx("dgx-a100-40gb", "A100-SXM4-40GB", "nvlink3", "ib-hdr", "a100-40gb", storage_bytes_per_s=25e9),
+        _dgx("dgx-a100-80gb", "A100-SXM4-80GB", "nvlink3", "ib-hdr", "a100-80gb", storage_bytes_per_s=25e9),
+        _dgx("dgx-h100", "H100-SXM5-80GB", "nvlink4", "ib-ndr", "h100"),
+        _dgx("dgx-h200", "H200-SXM-141GB", "nvlink4", "ib-ndr", "h100"),
     )
 }
 LOCAL = "local"  # detected at load time, so it is not in CLUSTER_PRESETS
@@ -327,9 +366,10 @@ def _resolve_names(data: dict[str, Any], path: Path) -> dict[str, Any]:
     if isinstance(resolved.get("gpu"), str):
         resolved["gpu"] = _lookup(GPU_PRESETS, resolved["gpu"], "GPU kind", path,
                                   "or give a full gpu mapping (name, peak_tflops, memory_bytes, hbm_bandwidth_bytes_per_s)")
-    for key in ("intra_node", "inter_node"):
+    for key in ("intra_node", "inter_node", "host_link"):
         if isinstance(resolved.get(key), str):
-            resolved[key] = _lookup(LINK_PRESETS, resolved[key], "link", path,
+            presets = HOST_LINK_PRESETS if key == "host_link" else LINK_PRESETS
+            resolved[key] = _lookup(presets, resolved[key], "link", path,
                                     "or give a mapping (name, bandwidth_bytes_per_s, latency_s, optional efficiency)")
     return resolved
 
@@ -348,7 +388,7 @@ def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, An
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = _deep_merge(merged[key], value)
-            if key in ("intra_node", "inter_node") and "bandwidth_bytes_per_s" in value and "efficiency" not in value:
+            if key in ("intra_node", "inter_node", "host_link") and "bandwidth_bytes_per_s" in value and "efficiency" not in value:
                 merged[key]["efficiency"] = 1.0
         else:
             merged[key] = value
@@ -381,7 +421,9 @@ def detect_local_cluster() -> ClusterSpec:
     # The device's own capacity is what allocations will actually meet; the peaks are the preset's.
     gpu = GpuSpec.model_validate({**preset.model_dump(), "memory_bytes": memory_bytes})
     nvlink = "nvlink3" if preset.name.startswith("A100") else "nvlink4"
-    return ClusterSpec(name=LOCAL, gpu=gpu, gpus_per_node=count, num_nodes=1, intra_node=LINK_PRESETS[nvlink])
+    host = _DGX_HOSTS["a100-80gb" if preset.name.startswith("A100") else "h100"]
+    return ClusterSpec(name=LOCAL, gpu=gpu, gpus_per_node=count, num_nodes=1, intra_node=LINK_PRESETS[nvlink],
+                       **{**host, "host_memory_bytes": _physical_memory_bytes()})
 
 
 def match_gpu(device_name: str, memory_bytes: int) -> GpuSpec | None:
@@ -402,15 +444,20 @@ def match_gpu(device_name: str, memory_bytes: int) -> GpuSpec | None:
     return None
 
 
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 16 * GiB
+
+
 def _cpu_cluster() -> ClusterSpec:
     """One CPU "device" so that planning runs anywhere; its figures are nominal, not measured."""
-    try:
-        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        memory_bytes = 16 * GiB
+    memory_bytes = _physical_memory_bytes()
     source = "nominal placeholder figures for a CPU, not measured: pass a cluster file for real numbers"
     cpu = GpuSpec(name="cpu", peak_tflops={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, memory_bytes=memory_bytes,
                   hbm_bandwidth_bytes_per_s=50e9, source=source)
     memory_link = LinkSpec(name="cpu-memory", bandwidth_bytes_per_s=10e9, latency_s=1e-5, source=source)
     return ClusterSpec(name=LOCAL, gpu=cpu, gpus_per_node=1, num_nodes=1, intra_node=memory_link,
-                       node_storage_write_bytes_per_s=1e9)  # nominal, like the rest: a local disk, not measured
+                       node_storage_write_bytes_per_s=1e9,  # nominal, like the rest: a local disk, not measured
+                       host_link=memory_link, host_memory_bytes=memory_bytes, host_memory_bandwidth_bytes_per_s=50e9)

@@ -118,6 +118,11 @@ class Strategy(_Record):
     dp_overlap: bool = True  # data-parallel gradient reduction and ZeRO gathers overlapped with compute
     tp_overlap: bool = False  # tensor-parallel collectives overlapped with GEMMs (needs sp)
     optimizer_state: Literal["fp32", "bf16"] = "fp32"  # Adam moments' precision (master weights stay fp32)
+    # Where the optimizer lives: "optimizer" keeps each rank's shard of the fp32 master weights, the
+    # Adam moments and the reduced gradients in host memory and steps them on the CPU (FSDP2's
+    # CPUOffloadPolicy, ZeRO-Offload's split); the device keeps the compute-precision weights and
+    # gradients. Added with schema version 1's plans loading as "none".
+    offload: Literal["none", "optimizer"] = "none"
 
     @model_validator(mode="after")
     def _consistent(self) -> Strategy:

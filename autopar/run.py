@@ -198,6 +198,8 @@ def _strategy_text(s) -> str:
         text += f" sp={str(s.sp).lower()}"
     if s.pp > 1:
         text += f" schedule={s.schedule}" + (f" vp={s.vp}" if s.vp > 1 else "")
+    if s.offload != "none":
+        text += f" offload={s.offload}"
     return text
 
 

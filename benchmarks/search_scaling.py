@@ -23,6 +23,8 @@ CASES = [
     ("gpt3-175b", "gpt3-175b", None, "dgx-a100-80gb", 1024, 1536, 2048),
     ("llama3-70b", "llama3-70b", None, "dgx-h100", 512, 1024, 4096),
     ("gpt-1t", "gpt", "layers=128,hidden=25600,heads=160,vocab=51200,seq_len=2048", "dgx-a100-80gb", 3072, 3072, 2048),
+    # nothing fits one GPU without optimizer offload (issue #20): the search runs twice
+    ("gpt3-13b-1", "gpt3-13b", None, "dgx-h100", 1, 8, 2048),
 ]
 
 
@@ -49,7 +51,7 @@ def main() -> None:
         plan = (f"dp={s.dp} tp={s.tp} pp={s.pp} mb={s.microbatch} {s.schedule}"
                 + (f" v={s.vp}" if s.vp > 1 else "") + f" zero={s.zero} rc={s.recompute}"
             + ("" if s.recompute_layers is None else "[" + "/".join(map(str, s.recompute_layers)) + "]")
-            + f" sp={s.sp}: "
+            + f" sp={s.sp}" + (f" offload={s.offload}" if s.offload != "none" else "") + ": "
                 f"{chosen.evaluation.step_time_s:.2f} s/step, MFU {chosen.evaluation.mfu:.1%}"
                 + ("" if chosen.evaluation.fits else " (does not fit)"))
         print(f"{label:<11} {f'{gpus} × {cluster.gpu.name}':<22} {captured:>9.1f} {result.search_s:>8.1f} "

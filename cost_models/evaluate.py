@@ -30,6 +30,7 @@ from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.implementation import as_run
 from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, device_memory,
                                         planning_capacity_bytes, state_bytes_per_param)
+from autopar.cost_models.offload import OffloadCost, host_capacity_bytes, node_host_bytes, offload_cost
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
 from autopar.cost_models.recompute import fewest_recomputed_layers, one_more_layer
 from autopar.cost_models.stage_costs import (CostCache, Pricing, StageCost, StagePrices, price_stages,
@@ -66,6 +67,14 @@ class Evaluation:
     # Per pipeline rank, one step's busy time with no communication in it (forward, backward,
     # recompute, optimizer): the figure a profiler can check rank by rank.
     rank_compute_s: tuple[float, ...] = ()
+    # offload=optimizer: the fullest node's host memory (optimizer shards of its GPUs) and what a plan
+    # may place there (`cost_models.offload`); 0 without offload.
+    host_memory_bytes: float = 0.0
+    host_capacity_bytes: float = 0.0
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_memory_bytes <= self.host_capacity_bytes
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -78,7 +87,12 @@ class RankTail:
     and the optimizer step."""
 
     exposed_comm_s: float
-    optimizer_s: float
+    optimizer_s: float  # on the device, or on the CPU under offload=optimizer
+    offload: OffloadCost | None = None  # offload=optimizer: the PCIe copies and the host's share
+
+    @property
+    def offload_transfer_s(self) -> float:
+        return self.offload.exposed_transfer_s if self.offload is not None else 0.0
 
 
 def evaluate(
@@ -184,6 +198,14 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
             tied_bytes = tied_ranks[rank]["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES
             exposed += collective_time_s("all_reduce", tied_bytes, tied_layout, cluster)
         updated = rank_params[rank] / (s.dp if s.zero >= 1 else 1)
+        if s.offload == "optimizer":
+            units = sum(1 for i in stage_indices for u in stages_units[i] if u.layer_type is not None) + 1
+            offload = offload_cost(updated, cluster, zero=s.zero, num_microbatches=s.num_microbatches,
+                                   forward_s=sum(prices.stages[i].forward_s for i in stage_indices),
+                                   backward_s=sum(prices.stages[i].backward_s for i in stage_indices),
+                                   units=units, optimizer_state=s.optimizer_state)
+            tails.append(RankTail(exposed, offload.cpu_step_s, offload))
+            continue
         step = updated * optimizer_step_bytes(s.optimizer_state) / (cluster.gpu.hbm_bandwidth_bytes_per_s
                                                                       * efficiency.memory)
         tails.append(RankTail(exposed, step))
@@ -201,7 +223,7 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             precision=pricing.facts.precision, zero=s.zero, dp=s.dp,
             activation_bytes=pipe.peak_in_flight[rank]
             + max(prices.stages[i].transient_bytes for i in stage_indices),
-            optimizer_state=s.optimizer_state,
+            optimizer_state=s.optimizer_state, offload=s.offload,
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )
@@ -211,7 +233,8 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
               tails: list[RankTail], memory: tuple[MemoryBreakdown, ...]) -> Evaluation:
     """Step time (the slowest rank's finish), throughput, fit, and the critical rank's breakdown."""
     s, facts, gpu = pricing.strategy, pricing.facts, pricing.cluster.gpu
-    rank_finish = [pipe.rank_end_s[rank] + tail.exposed_comm_s + tail.optimizer_s for rank, tail in enumerate(tails)]
+    rank_finish = [pipe.rank_end_s[rank] + tail.exposed_comm_s + tail.offload_transfer_s + tail.optimizer_s
+                   for rank, tail in enumerate(tails)]
     step_time = max(rank_finish)
     critical = rank_finish.index(step_time)
     capacity = planning_capacity_bytes(gpu.memory_bytes, pricing.cluster.memory_headroom)
@@ -232,13 +255,20 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
         "bubble": max(pipe.rank_end_s[critical] - pipe.rank_busy_s[critical], 0.0),
         "optimizer": tails[critical].optimizer_s,
     }
+    host_bytes = host_capacity = 0.0
+    if s.offload == "optimizer":  # the step on the CPU, and the PCIe copies it waits for
+        breakdown.update(optimizer=0.0, offload_transfer=tails[critical].offload_transfer_s,
+                         cpu_optimizer=tails[critical].optimizer_s)
+        host_bytes = node_host_bytes([tail.offload.host_bytes for tail in tails], pricing.cluster)
+        host_capacity = host_capacity_bytes(pricing.cluster)
     return Evaluation(
         strategy=s, global_batch=global_batch, seq_len=facts.seq_len, step_time_s=step_time,
         tokens_per_s=tokens / step_time, tflops_per_gpu=tflops_per_gpu,
         mfu=tflops_per_gpu * 1e12 / gpu.peak_flops_per_s(facts.precision),
-        fits=all(m.total_bytes <= capacity for m in memory), memory=memory,
-        breakdown=breakdown, stages=prices.stages, pipeline=pipe,
+        fits=all(m.total_bytes <= capacity for m in memory) and host_bytes <= host_capacity,
+        memory=memory, breakdown=breakdown, stages=prices.stages, pipeline=pipe,
         capacity_bytes=capacity, headroom_bytes=headroom, rank_compute_s=rank_compute,
+        host_memory_bytes=host_bytes, host_capacity_bytes=host_capacity,
     )
 
 

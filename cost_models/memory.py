@@ -93,8 +93,18 @@ def device_memory(
     dp: int,
     activation_bytes: float,
     optimizer_state: str = "fp32",
+    offload: str = "none",
 ) -> MemoryBreakdown:
+    """`offload="optimizer"` (FSDP2's CPUOffloadPolicy): every sharded state lives in host memory
+    (`cost_models.offload`): the optimizer states (fp32 master weights and moments) always, the
+    gradient shards under ZeRO 2/3 (reduced every micro-batch, then copied out) and the weight
+    shards under ZeRO 3 (gathered from the host for each use: the buffers below). What the runtime
+    keeps unsharded through the step stays: ZeRO 1/2's gathered weights, ZeRO 1's gradients."""
     weights, gradients, optimizer = model_state_bytes(params_on_device, precision, zero, dp, optimizer_state)
+    if offload == "optimizer":
+        optimizer = 0.0
+        gradients = 0.0 if zero >= 2 else gradients
+        weights = 0.0 if zero >= 3 else weights
     per = state_bytes_per_param(precision, optimizer_state)
     if zero >= 3:  # the gathered layer in use and the next one being prefetched
         buffers = 2 * largest_unit_params * per.weight

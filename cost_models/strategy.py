@@ -8,11 +8,12 @@ from autopar.errors import AutoparError
 from autopar.plan_schema import Strategy
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "schedule", "vp",
-                 "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state")
+                 "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "offload")
 _SWITCHES = ("sp", "dp_overlap", "tp_overlap")
 _RESERVED = {"cp": "context parallel (cp) is reserved for a later release: leave it out"}
 _CHOICES = {"recompute": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved"),
-            "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16")}
+            "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16"),
+            "offload": ("none", "optimizer")}
 
 
 def parse_strategy(text: str | None) -> dict[str, Any]:

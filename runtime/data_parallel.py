@@ -8,6 +8,11 @@
   after the last micro-batch; zero 2 reduce-scatters every micro-batch so only shards of the
   gradients persist.
 - zero 3: FSDP2 resharding after forward (parameters gathered again for backward).
+- offload=optimizer (any zero ≥ 1): FSDP2's CPUOffloadPolicy keeps the sharded fp32 parameters,
+  their reduced gradients and so the optimizer states in host memory, and the optimizer steps them
+  on the CPU; shards are copied to the device before each all-gather and gradients back after each
+  reduce-scatter (`cost_models.offload` prices those copies). On a CPU/gloo run it changes no
+  placement; the data path (and the collectives) are the same FSDP2 code's.
 Under a pipeline schedule, torch's stage drives FSDP2's gradient sync itself (last backward only).
 """
 
@@ -19,21 +24,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 BUCKET_BYTES = 25 * 2**20
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, block_paths: list[str],
-               mixed_precision: MixedPrecisionPolicy | None) -> None:
-    """FSDP2 per block (one gather/scatter unit each), then the rest of the module as the root unit."""
+               mixed_precision: MixedPrecisionPolicy | None, offload: str = "none") -> None:
+    """FSDP2 per block (one gather/scatter unit each), then the rest of the module as the root unit.
+    `offload="optimizer"`: sharded states on the CPU (pinned when the mesh is on CUDA, for copies
+    that overlap compute); the caller materializes the parameters on the CPU (`parameter_device`)."""
     options = {"mesh": dp_mesh, "reshard_after_forward": zero >= 3}
     if mixed_precision is not None:
         options["mp_policy"] = mixed_precision
+    if offload == "optimizer":
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda")
     for path in block_paths:
         fully_shard(model.get_submodule(path), **options)
     fully_shard(model, **options)
+
+
+def parameter_device(device: torch.device, offload: str) -> torch.device:
+    """Where this rank's parameter shards live: the host under offload=optimizer, else the device."""
+    return torch.device("cpu") if offload == "optimizer" else device
 
 
 def set_microbatch_boundary(modules: list[nn.Module], zero: int, last: bool) -> None:

@@ -86,15 +86,23 @@ class InitSource:
         return values
 
 
-def materialize(module: nn.Module, source: InitSource, device: torch.device) -> None:
+def materialize(module: nn.Module, source: InitSource, device: torch.device,
+                parameter_device: torch.device | None = None) -> None:
     """Give every parameter and buffer of `module` (sharded or not) its local values on `device`.
 
     `module` may be a pipeline stage of `source.reference` with DTensor parameters; names are
     looked up in the reference, so stages and shards agree with the unsharded model.
+    `parameter_device`: where parameters live when not on `device` (the host, under FSDP2's CPU
+    offload); buffers stay on `device`, where the forward reads them.
     """
     if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
         tied = _alias_groups(module)
-        module.to_empty(device=device)
+        module.to_empty(device=parameter_device or device)
+        if parameter_device is not None and parameter_device != device:
+            for sub in module.modules():
+                for name, buffer in sub._buffers.items():
+                    if buffer is not None:
+                        sub._buffers[name] = buffer.to(device)
         for names in tied:  # to_empty gives each alias its own tensor: tie them again
             first = module.get_parameter(names[0])
             for name in names[1:]:

@@ -25,7 +25,7 @@ from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan_schema import Plan
 from autopar.runtime.compile import compile_blocks
-from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, set_microbatch_boundary
+from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter_device, set_microbatch_boundary
 from autopar.runtime.dtensor_tp import step_context as dtensor_step_context
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
@@ -141,14 +141,15 @@ class ParallelModel:
             else:
                 copies, local = self._stage_size(), grad
             copies *= tied.get(name, 1)
-            squares += local.float().pow(2).sum() / copies
+            squares += local.float().pow(2).sum().to(squares.device) / copies  # on the host under offload
         dist.all_reduce(squares)
         norm = squares.sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for param in self.parameters():
                 if param.grad is not None:
-                    _local_value(param.grad).mul_(scale)
+                    local = _local_value(param.grad)
+                    local.mul_(scale.to(local.device))
         return norm
 
     def _stage_size(self) -> int:
@@ -283,11 +284,11 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 4. recompute the planned modules
         apply_recompute(module, plan.recompute_modules, s.recompute)
         blocks = _innermost([p for p in stage_paths[index] if _is_block(module, p)])
-        # 5. ZeRO: FSDP2 units per block over the dp axis
+        # 5. ZeRO: FSDP2 units per block over the dp axis (their shards on the host under offload)
         if s.zero >= 1:
-            apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision))
+            apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision), s.offload)
         # 6. materialize this rank's shards with the sharding-independent init
-        materialize(module, source, layout.device)
+        materialize(module, source, layout.device, parameter_device(layout.device, s.offload))
         if compile:  # 6b. compile each block's forward, inside every wrapper above (runtime/compile.py)
             compile_blocks(module, blocks)
         modules.append(module)

@@ -48,6 +48,9 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
         return [fixed[key]] if key in fixed else list(options)
 
     profile = profile_of(fixed)
+    # Offload is never a free choice here: `search` and `what_if` offer it only when nothing fits
+    # without it (`with_offload_when_nothing_fits`).
+    offload = fixed.get("offload", "none")
 
     for tp, pp in product(choices("tp", _divisors(world_size)), choices("pp", _divisors(world_size))):
         if world_size % (tp * pp):
@@ -63,8 +66,8 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
             choices("sp", (False, True) if tp > 1 else (False,)),
             choices("schedule", ("1f1b", "interleaved", "gpipe") if pp > 1 else ("1f1b",)),
         ):
-            if zero > 0 and dp == 1 and "zero" not in fixed:
-                continue  # nothing to shard over
+            if zero > 0 and dp == 1 and "zero" not in fixed and offload == "none":
+                continue  # nothing to shard over (offload needs FSDP2, at any dp)
             vps = choices("vp", VP_CHOICES if schedule == "interleaved" else (1,))
             for vp in vps:
                 counts = fixed.get("recompute_layers")
@@ -75,7 +78,7 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
                 try:
                     yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
                                    num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
-                                   recompute_layers=counts, **profile)
+                                   recompute_layers=counts, offload=offload, **profile)
                 except ValueError:
                     continue
 

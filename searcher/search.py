@@ -81,9 +81,65 @@ class SearchResult:
     ilp_solve_s: float = 0.0
     ilp_refused: int = 0  # ILP solutions the runtime could not execute (the propagation's plan stood)
     ilp_budgeted: int = 0  # ILP solves under a layer's memory budget (the fastest sharding overflowed it)
+    # When nothing fits without offload and offload was free, the search runs again with it: if a
+    # plan fits then, the result is that search's and `without_offload` the closest plan without;
+    # if none does, the result stays the first search's and `with_offload` is the closest offloaded.
+    without_offload: Evaluation | None = None
+    with_offload: Evaluation | None = None
 
 
 def search(
+    graph: OpGraph,
+    facts: ModelFacts,
+    cluster: ClusterSpec,
+    global_batch: int,
+    *,
+    fixed: dict[str, Any] | None = None,
+    capabilities: Capabilities = RUNTIME_CAPABILITIES,
+    **options: Any,
+) -> SearchResult:
+    """The best plan that fits, and the alternatives. Optimizer-state offload costs a CPU step and
+    PCIe copies every step, so it is offered only when no plan without it fits (and the user left
+    `offload` free): then the search runs again with offload=optimizer (`SearchResult.without_offload`,
+    `with_offload`), and a why-not row says what the other side needs."""
+    fixed = dict(fixed or {})
+    result = _search_once(graph, facts, cluster, global_batch, fixed=fixed, capabilities=capabilities, **options)
+    if result.best is not None or "offload" in fixed or not capabilities.supports_offload:
+        return result
+    try:
+        offloaded = _search_once(graph, facts, cluster, global_batch, fixed={**fixed, "offload": "optimizer"},
+                                 capabilities=capabilities, **options)
+    except AutoparError:  # no completion of the fixed keys can offload (e.g. tp > 1 fixed)
+        return result
+    combined = dict(candidates=result.candidates + offloaded.candidates, search_s=result.search_s + offloaded.search_s,
+                    rejected={**result.rejected, **offloaded.rejected},
+                    ilp_variables=result.ilp_variables + offloaded.ilp_variables,
+                    ilp_solve_s=result.ilp_solve_s + offloaded.ilp_solve_s)
+    if offloaded.best is None:
+        closest = offloaded.ranked[0].evaluation
+        row = WhyNot("offload (offload=optimizer)", closest.strategy,
+                     f"does not fit either, with optimizer states offloaded: {_overflow(closest)}", fits=False,
+                     peak_memory_bytes=closest.peak_memory_bytes)
+        return dataclasses.replace(result, why_not=[*result.why_not, row], with_offload=closest, **combined)
+    closest = result.ranked[0].evaluation
+    row = WhyNot("no offload (offload=none)", closest.strategy,
+                 f"nothing fits without offload; the closest plan: {_overflow(closest)}", fits=False,
+                 peak_memory_bytes=closest.peak_memory_bytes)
+    return dataclasses.replace(offloaded, why_not=[row, *offloaded.why_not], without_offload=closest, **combined)
+
+
+def _overflow(evaluation: Evaluation) -> str:
+    """What a plan that does not fit needs: device memory (its largest part), or the node's host memory."""
+    if evaluation.peak_memory_bytes > evaluation.capacity_bytes:
+        worst = max(evaluation.memory, key=lambda m: m.total_bytes)
+        part, size = max(worst.as_dict().items(), key=lambda item: item[1])
+        return (f"needs {evaluation.peak_memory_bytes / 2**30:.1f} GiB per GPU > {evaluation.capacity_bytes / 2**30:.1f} "
+                f"GiB usable ({part.replace('_', ' ')} {size / 2**30:.1f} GiB)")
+    return (f"needs {evaluation.host_memory_bytes / 2**30:.1f} GiB of host memory per node > "
+            f"{evaluation.host_capacity_bytes / 2**30:.1f} GiB usable")
+
+
+def _search_once(
     graph: OpGraph,
     facts: ModelFacts,
     cluster: ClusterSpec,

@@ -224,7 +224,11 @@ def _priced(label: str, evaluation: Evaluation, reference: Evaluation, *, withou
     slowdown = reference.tokens_per_s / evaluation.tokens_per_s
     other_batch = evaluation.global_batch != reference.global_batch
     unit = " per token" if other_batch else ""
-    if not evaluation.fits:
+    if not evaluation.fits and not evaluation.fits_host:
+        reason = (f"needs {evaluation.host_memory_bytes / GiB:.1f} GiB of host memory per node > "
+                  f"{evaluation.host_capacity_bytes / GiB:.1f} GiB usable (optimizer states offloaded)"
+                  + (f"; {slowdown:.2f}× slower{unit} even if it fit" if slowdown >= SAME_SPEED else ""))
+    elif not evaluation.fits:
         worst = max(evaluation.memory, key=lambda m: m.total_bytes)
         part, size = max(worst.as_dict().items(), key=lambda item: item[1])
         reason = (f"needs {evaluation.peak_memory_bytes / GiB:.1f} GiB per GPU > {evaluation.capacity_bytes / GiB:.1f}"

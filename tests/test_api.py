@@ -35,12 +35,14 @@ def test_readme_python_example_runs_verbatim(tmp_path, monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def unfit():
-    """gpt3-13b on one H100: nothing fits whatever the strategy."""
+    """gpt3-13b on one H100 without offload: nothing fits whatever else the strategy (offloaded, it
+    fits: tests/test_offload.py)."""
     from autopar.models import build_model
 
     spec = build_model("gpt3-13b")
     return autopar.plan(spec.module, spec.example_inputs(1, 256), loss_fn=spec.loss_fn, seq_len=256,
-                        cluster=autopar.load_cluster("dgx-h100", gpus=1), global_batch=2, name="gpt3-13b")
+                        cluster=autopar.load_cluster("dgx-h100", gpus=1), global_batch=2, name="gpt3-13b",
+                        strategy={"offload": "none"})
 
 
 def test_no_fit_advice_never_suggests_what_is_already_set(unfit):
@@ -48,6 +50,7 @@ def test_no_fit_advice_never_suggests_what_is_already_set(unfit):
     free = unfit.no_fit_reason()
     assert free.startswith("no plan fits in") and "add GPUs (≥ 3 for the model states alone)" in free
     assert "zero stage" not in free and "recompute" not in free  # the searcher already tried them
+    assert "leave offload free" in free  # the one key fixed
     at_zero3 = dataclasses.replace(unfit, fixed={"zero": 3, "recompute": "selective", "microbatch": 2}).no_fit_reason()
     assert "zero stage" not in at_zero3
     assert "let recompute be chosen" in at_zero3 and "a micro-batch below 2" in at_zero3

@@ -200,7 +200,7 @@ def test_plan_json_contract(capsys):
                                   "recompute_layers": None, "microbatch": 1, "num_microbatches": 8, "schedule": "1f1b", "vp": 1,
                                   # the implementation profile (issue #18): the autopar runtime's by default
                                   "attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
-                                  "optimizer_state": "fp32"}
+                                  "optimizer_state": "fp32", "offload": "none"}
     assert result["fits"] is True
     predicted = result["predicted"]
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes"):

@@ -107,7 +107,8 @@ def evaluation_report(candidate: Any) -> EvaluationReport:
             peak_memory_bytes_per_stage=[m.total_bytes for m in e.memory],
             memory_breakdown_bytes=[MemoryParts(**m.as_dict()) for m in e.memory],
             breakdown=Breakdown(**e.breakdown), compute_s_per_stage=list(e.rank_compute_s),
-            memory_headroom_bytes=e.headroom_bytes),
+            memory_headroom_bytes=e.headroom_bytes, host_memory_bytes=e.host_memory_bytes,
+            host_capacity_bytes=e.host_capacity_bytes),
         stages=[StageRow(index=st.index, rank=st.rank, units=list(st.units), forward_s=st.forward_s,
                          backward_s=st.backward_s, recomputed_layers=st.recomputed_layers, layers=count)
                 for st, count in zip(e.stages, layers)],
@@ -175,13 +176,19 @@ def pipeline_info(chosen: EvaluationReport, evaluation: Any) -> PipelineInfo:
     ends, busy = list(pipe.rank_end_s), list(pipe.rank_busy_s)
     critical = critical_rank(evaluation)
     states = [m.optimizer_states for m in p.memory_breakdown_bytes]
-    optimizer = [p.breakdown.optimizer * (x / states[critical] if states[critical] else 1.0) for x in states]
-    sync_critical = max(p.step_time_s - ends[critical] - optimizer[critical], 0.0)
-    sync = [sync_critical if r == critical else max(min(sync_critical, p.step_time_s - ends[r] - optimizer[r]), 0.0)
-            for r in range(s.pp)]
+    if s.offload != "none":  # the CPU steps every rank's shard; offload runs with pp = 1 (autopar.capabilities)
+        optimizer = [p.breakdown.cpu_optimizer] * s.pp
+        offload = [p.breakdown.offload_transfer] * s.pp
+    else:
+        optimizer = [p.breakdown.optimizer * (x / states[critical] if states[critical] else 1.0) for x in states]
+        offload = [0.0] * s.pp
+    sync_critical = max(p.step_time_s - ends[critical] - offload[critical] - optimizer[critical], 0.0)
+    sync = [sync_critical if r == critical else
+            max(min(sync_critical, p.step_time_s - ends[r] - offload[r] - optimizer[r]), 0.0) for r in range(s.pp)]
     return PipelineInfo(schedule=s.schedule, pp=s.pp, vp=s.vp, num_microbatches=s.num_microbatches, p2p_s=p2p_s,
                         makespan_s=pipe.step_time_s, rank_busy_s=busy, rank_end_s=ends, critical_rank=critical,
-                        exposed_sync_s=sync, optimizer_s=optimizer)
+                        exposed_sync_s=sync, optimizer_s=optimizer,
+                        offload_transfer_s=offload if s.offload != "none" else [])
 
 
 _INDEX = re.compile(r"\.(\d+)\.")

@@ -20,7 +20,7 @@ from autopar.report.model import MEMORY_PARTS, Report
 from autopar.report.svg import breakdown_svg, group_rows, memory_svg, mesh_svg, timeline_svg
 from autopar.report.timeline import idle_s, makespan_s, timeline
 from autopar.report.views import (GiB, checkpoint_lines, compact_units, counts_text, format_value, mfu_label, mfu_text,
-                                  obvious_rows, rank_rows, recompute_text, runner_up_reasons)
+                                  obvious_rows, offload_text, rank_rows, recompute_text, runner_up_reasons)
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "num_microbatches",
                  "schedule", "vp")
@@ -55,7 +55,8 @@ def _value(strategy: Strategy, key: str) -> str:
 
 
 def _label(strategy: Strategy) -> str:
-    return " ".join(f"{k}={_value(strategy, k)}" for k in STRATEGY_KEYS if getattr(strategy, k) is not None)
+    label = " ".join(f"{k}={_value(strategy, k)}" for k in STRATEGY_KEYS if getattr(strategy, k) is not None)
+    return label + (f" offload={strategy.offload}" if strategy.offload != "none" else "")
 
 
 def _summary_section(report: Report) -> str:
@@ -63,6 +64,8 @@ def _summary_section(report: Report) -> str:
     kpis = [("step time", format_value(p.step_time_s, "s")), ("throughput", f"{p.tokens_per_s:,.0f} tokens/s"),
             ("per GPU", f"{p.tflops_per_gpu:.1f} TFLOP/s"), (mfu_label(report), f"{p.mfu:.1%}"),
             ("peak memory", f"{p.peak_memory_bytes / GiB:.1f} / {report.capacity_bytes / GiB:.1f} GiB")]
+    if p.host_capacity_bytes:
+        kpis.append(("host memory per node", f"{p.host_memory_bytes / GiB:.1f} / {p.host_capacity_bytes / GiB:.1f} GiB"))
     cards = "".join(f'<div class="kpi">{escape(k)}<b>{escape(v)}</b></div>' for k, v in kpis)
     fits = "" if report.fits else '<p class="bad">DOES NOT FIT in device memory</p>'
     search = report.search
@@ -70,7 +73,10 @@ def _summary_section(report: Report) -> str:
             f'{report.seq_len} on {escape(c.name)}: {c.num_nodes} node(s) × {c.gpus_per_node} '
             f'{escape(c.gpu)} = {c.world_size} GPUs</p><p>strategy <code>{escape(_label(report.strategy))}</code>'
             + (f' (fixed: {escape(", ".join(report.fixed))})' if report.fixed else "")
-            + f'</p><div class="kpis">{cards}</div>{fits}<p class="note" id="mfu-note">{escape(mfu_text(report.mfu_basis))}</p>'
+            + f'</p><div class="kpis">{cards}</div>{fits}'
+            + (f'<p id="offload-cost">offload: {escape(offload_text(report))}</p>' if report.strategy.offload != "none"
+               else "")
+            + f'<p class="note" id="mfu-note">{escape(mfu_text(report.mfu_basis))}</p>'
             + (f'<p class="note">searched {search.candidates:,} strategies in {search.seconds:.1f} s</p>'
                if search else "") + _checkpoint_rows(report))
 

@@ -20,6 +20,7 @@ from autopar.validation import condense_validation_error, one_line
 REPORT_VERSION = 1
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "activations", "buffers", "margin")
 BREAKDOWN_PARTS = ("compute", "recompute", "exposed_communication", "bubble", "optimizer")
+OFFLOAD_PARTS = ("offload_transfer", "cpu_optimizer")  # listed only when the plan offloads
 MESH_ORDER = ("pp", "dp", "tp")  # row-major, tp innermost: the runtime's order (runtime/mesh.py)
 
 
@@ -68,9 +69,13 @@ class Breakdown(_Part):
     exposed_communication: float
     bubble: float
     optimizer: float
+    # offload=optimizer: the PCIe copies not hidden behind the passes, and the CPU's Adam step
+    offload_transfer: float = 0.0
+    cpu_optimizer: float = 0.0
 
     def parts(self) -> list[tuple[str, float]]:
-        return [(part, getattr(self, part)) for part in BREAKDOWN_PARTS]
+        offloaded = self.offload_transfer or self.cpu_optimizer
+        return [(part, getattr(self, part)) for part in BREAKDOWN_PARTS + (OFFLOAD_PARTS if offloaded else ())]
 
     @property
     def total_s(self) -> float:
@@ -88,6 +93,9 @@ class Predicted(_Part):
     breakdown: Breakdown
     compute_s_per_stage: list[float] = []  # per pipeline rank: one step's compute, no communication
     memory_headroom_bytes: float = 0.0  # left free beyond the capacity a plan may use (cluster memory_headroom)
+    # offload=optimizer: the fullest node's host memory and what a plan may place there (0: no offload)
+    host_memory_bytes: float = 0.0
+    host_capacity_bytes: float = 0.0
 
 
 class StageRow(_Part):
@@ -184,6 +192,7 @@ class PipelineInfo(_Part):
     critical_rank: int
     exposed_sync_s: list[float]  # per rank, after its last backward
     optimizer_s: list[float]
+    offload_transfer_s: list[float] = []  # per rank, offload=optimizer: PCIe copies exposed before the CPU step
 
 
 class ShardingRow(_Part):

@@ -70,8 +70,15 @@ def trace_events(report: Report) -> dict[str, Any]:
             complete("gradient sync (exposed)", "dp", rank, SYNC_TID, start_us, sync_s[rank] * US_PER_S,
                      note="data-parallel reduction not hidden behind the last backward, plus ZeRO gathers")
             start_us += sync_s[rank] * US_PER_S
+        offload_s = pipeline.offload_transfer_s[rank] if pipeline is not None and pipeline.offload_transfer_s else 0.0
+        if offload_s > 0:
+            complete("PCIe offload copies (exposed)", "offload", rank, SYNC_TID, start_us, offload_s * US_PER_S,
+                     note="parameter shards host→device and gradient shards device→host not hidden behind the passes")
+            start_us += offload_s * US_PER_S
         if optimizer_s[rank] > 0:
-            complete("optimizer step", "optimizer", rank, COMPUTE_TID, start_us, optimizer_s[rank] * US_PER_S)
+            on_cpu = s.offload != "none"
+            complete("CPU optimizer step" if on_cpu else "optimizer step", "optimizer", rank, COMPUTE_TID, start_us,
+                     optimizer_s[rank] * US_PER_S, **({"where": "host CPU (offload=optimizer)"} if on_cpu else {}))
     metadata: list[dict[str, Any]] = []
     for rank in range(pp):
         first = rank * gpus_per_rank

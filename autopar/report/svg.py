@@ -20,7 +20,8 @@ PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b
 MEMORY_COLOURS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759",
                   "activations": "#59a14f", "buffers": "#b07aa1", "margin": "#bab0ac"}
 BREAKDOWN_COLOURS = {"compute": "#4e79a7", "recompute": "#edc948", "exposed_communication": "#e15759",
-                     "bubble": "#bab0ac", "optimizer": "#b07aa1"}
+                     "bubble": "#bab0ac", "optimizer": "#b07aa1", "offload_transfer": "#f28e2b",
+                     "cpu_optimizer": "#76b7b2"}
 DETAIL_NODES = 2  # nodes drawn GPU by GPU; the rest are cells in the grid
 RECT_LIMIT = 800  # passes drawn as separate rectangles (with tooltips) up to this many
 
@@ -152,10 +153,13 @@ def timeline_svg(report: Report, passes: list[Pass]) -> str:
     pp, vp = report.strategy.pp, report.strategy.vp
     sync = pipeline.exposed_sync_s if pipeline is not None else [0.0] * pp
     optimizer = pipeline.optimizer_s if pipeline is not None else [0.0] * pp
+    offload = (pipeline.offload_transfer_s if pipeline is not None else []) or [0.0] * pp
+    offloaded = report.strategy.offload != "none"
+    step_colour, step_label = (("cpu_optimizer", "CPU optimizer step") if offloaded else ("optimizer", "optimizer"))
     ends = [0.0] * pp
     for x in passes:
         ends[x.rank] = max(ends[x.rank], x.end_s)
-    total = max(max(e + s + o for e, s, o in zip(ends, sync, optimizer)), 1e-12)
+    total = max(max(e + s + c + o for e, s, c, o in zip(ends, sync, offload, optimizer)), 1e-12)
     x0, width, row_h = 70, 1000, 18 if pp <= 32 else 8
     scale = width / total
     body: list[str] = []
@@ -165,7 +169,8 @@ def timeline_svg(report: Report, passes: list[Pass]) -> str:
                     f'height="{row_h}" fill="#f8d7d3"/>')
         tail = ends[rank]
         for seconds, colour, label in ((sync[rank], BREAKDOWN_COLOURS["exposed_communication"], "gradient sync"),
-                                       (optimizer[rank], BREAKDOWN_COLOURS["optimizer"], "optimizer")):
+                                       (offload[rank], BREAKDOWN_COLOURS["offload_transfer"], "PCIe offload copies"),
+                                       (optimizer[rank], BREAKDOWN_COLOURS[step_colour], step_label)):
             if seconds > 0:
                 body.append(f'<rect x="{_f(x0 + tail * scale)}" y="{y}" width="{_f(max(seconds * scale, 1))}" '
                             f'height="{row_h}" fill="{colour}"><title>{label}: {seconds * 1e3:.1f} ms</title></rect>')
@@ -195,8 +200,9 @@ def timeline_svg(report: Report, passes: list[Pass]) -> str:
     body += _ticks(total, width, x0, axis_y)
     legend_y = axis_y + 24
     legend = [("forward", shades["F"][0]), ("backward", shades["B"][0]), ("idle (bubble)", "#f8d7d3"),
-              ("exposed gradient sync", BREAKDOWN_COLOURS["exposed_communication"]),
-              ("optimizer", BREAKDOWN_COLOURS["optimizer"])]
+              ("exposed gradient sync", BREAKDOWN_COLOURS["exposed_communication"])] \
+        + ([("PCIe offload copies (exposed)", BREAKDOWN_COLOURS["offload_transfer"])] if offloaded else []) \
+        + [(step_label, BREAKDOWN_COLOURS[step_colour])]
     lx = x0
     for label, colour in legend:
         body.append(f'<rect x="{lx}" y="{legend_y}" width="10" height="10" fill="{colour}"/>'

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from autopar.cost_models.strategy import STRATEGY_KEYS
 from autopar.report.model import Report
-from autopar.report.views import (GiB, checkpoint_lines, compact_units, mfu_label, mfu_text, obvious_rows, plural,
+from autopar.report.views import (GiB, checkpoint_lines, compact_units, mfu_label, mfu_text, obvious_rows,
+                                  offload_text, plural,
                                   rank_rows, recompute_text, runner_up_reasons, seconds_text, strategy_flag,
                                   strategy_label)
 
@@ -47,6 +48,8 @@ def _layout(report: Report) -> str:
             how = f"{done} of {plural(total, 'layer')}" if total is not None else plural(done, "layer")
             how += " (the first ones of each stage; per rank below)"
         lines.append(f"recompute     {s.recompute}, {how}")
+    if s.offload != "none":
+        lines.append(f"offload       {offload_text(report)}")
     flag, note = strategy_flag(s, report.fixed)
     free = [key for key in STRATEGY_KEYS if key not in report.fixed]
     chosen = ("chosen by the cost model" if not report.fixed else f"fixed: {', '.join(report.fixed)}"
@@ -74,7 +77,8 @@ def _prediction(report: Report) -> str:
         f"peak memory      {p.peak_memory_bytes / GiB:.1f} GiB of {report.capacity_bytes / GiB:.1f} GiB usable{where}"
         + (f", {p.memory_headroom_bytes / GiB:.1f} GiB more kept free (headroom)" if p.memory_headroom_bytes else "")
         + ("" if report.fits else "   ** DOES NOT FIT **"),
-    ])
+    ] + ([f"host memory      {p.host_memory_bytes / GiB:.1f} GiB of {p.host_capacity_bytes / GiB:.1f} GiB usable per "
+          f"node (optimizer states offloaded)"] if p.host_capacity_bytes else []))
 
 
 def _breakdown(report: Report) -> str:

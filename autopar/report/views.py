@@ -46,6 +46,8 @@ def strategy_label(strategy: Strategy) -> str:
     label = " ".join(f"{k}={getattr(strategy, k)}" for k in STRATEGY_KEYS)
     if strategy.recompute_layers is not None:
         label += f" recompute_layers={counts_text(strategy.recompute_layers)}"
+    if strategy.offload != "none":
+        label += f" offload={strategy.offload}"
     return label
 
 
@@ -66,7 +68,19 @@ def strategy_flag(strategy: Strategy, fixed: dict) -> tuple[str, str]:
                     f"planning with these keys fits them again")
         else:
             keys.append(f"recompute_layers={text}")
+    if s.offload != "none":
+        keys.append(f"offload={s.offload}")
     return ",".join(keys), note
+
+
+def offload_text(report: Report) -> str:
+    """What offload=optimizer costs the chosen plan, in one line."""
+    p, b = report.predicted, report.predicted.breakdown
+    share = (b.cpu_optimizer + b.offload_transfer) / p.step_time_s if p.step_time_s else 0.0
+    return (f"optimizer states (fp32 master weights, Adam moments, reduced gradients) in host memory, stepped on "
+            f"the CPU: +{seconds_text(b.cpu_optimizer)} CPU Adam and +{seconds_text(b.offload_transfer)} PCIe copies "
+            f"not hidden per step ({share:.0%} of the step); host memory {p.host_memory_bytes / GiB:.1f} of "
+            f"{p.host_capacity_bytes / GiB:.1f} GiB per node")
 
 
 _NUMBERED = re.compile(r"^(.*)\.(\d+)$")

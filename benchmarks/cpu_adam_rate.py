@@ -1,0 +1,61 @@
+"""The CPU optimizer step's share of host memory bandwidth, measured on this machine.
+
+`offload=optimizer` prices the CPU Adam step as bytes moved (28 per parameter: read the fp32
+weight, gradient and two moments, write weight and moments) over the node's host memory bandwidth
+times `cost_models.offload.CPU_ADAM_EFFICIENCY`. No published figure gives that fraction for
+torch's Adam, so this measures it: torch.optim.Adam's step on CPU (its default foreach kernels,
+what FSDP2's CPU offload runs) against a plain copy (2 bytes moved per byte copied, STREAM's copy)
+on the same threads and sizes.
+
+    python benchmarks/cpu_adam_rate.py [--params 20000000] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+
+ADAM_BYTES_PER_PARAM = 28
+
+
+def best_of(repeats: int, run) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=20_000_000)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} thread(s), "
+          f"torch {torch.__version__}")
+    # a few tensors, as FSDP2's flat shards per unit
+    params = [torch.nn.Parameter(torch.randn(args.params // 8)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.Adam(params, lr=1e-4)
+    optimizer.step()  # allocate the moments
+    adam_s = best_of(args.repeats, optimizer.step)
+    source = torch.randn(args.params)
+    target = torch.empty_like(source)
+    copy_s = best_of(args.repeats, lambda: target.copy_(source))
+    adam_bytes_per_s = args.params * ADAM_BYTES_PER_PARAM / adam_s
+    copy_bytes_per_s = args.params * 4 * 2 / copy_s
+    print(f"Adam step: {args.params / adam_s / 1e6:.1f} M params/s = {adam_bytes_per_s / 1e9:.2f} GB/s moved")
+    print(f"copy:      {copy_bytes_per_s / 1e9:.2f} GB/s moved")
+    print(f"Adam / copy = {adam_bytes_per_s / copy_bytes_per_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()
