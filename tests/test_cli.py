@@ -205,7 +205,9 @@ def test_plan_json_contract(capsys):
     predicted = result["predicted"]
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes"):
         assert predicted[key] > 0
-    assert set(predicted["breakdown"]) == {"compute", "exposed_communication", "bubble", "recompute", "optimizer"}
+    assert set(predicted["breakdown"]) == {"compute", "exposed_communication", "bubble", "recompute", "optimizer",
+                                           "offload_transfer", "cpu_optimizer"}
+    assert predicted["breakdown"]["offload_transfer"] == predicted["breakdown"]["cpu_optimizer"] == 0  # offload=none
     assert predicted["tokens_per_s"] == pytest.approx(16 * 32 / predicted["step_time_s"])
 
 
