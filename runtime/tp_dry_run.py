@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.capabilities import TpCollective
+from autopar.graph.capture import quiet_fake_tensor_logs
 
 MODULES, DTENSOR = "modules", "dtensor"
 SUBPROCESS_TIMEOUT_S = 600
@@ -94,28 +95,13 @@ def _here(model: nn.Module, example_input: torch.Tensor, loss_fn: Callable, spec
         mesh = init_device_mesh("cpu", (spec.tp,), mesh_dim_names=("tp",))
         phase = _Phase()
         try:
-            with _strided_shard_offsets_on_real_tensors(), _quiet_fake_tensor_log():
+            with _strided_shard_offsets_on_real_tensors(), quiet_fake_tensor_logs():
                 return _step(module, example_input, loss_fn, spec, mesh, FakeTensorMode(allow_non_fake_inputs=True),
                              phase)
         except Exception as error:  # any failure of the model's code under this sharding is the answer
             return DryRun(reason=_one_line(error), failed_module=phase.failed_at())
     finally:
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _quiet_fake_tensor_log():
-    """FakeTensorMode logs, as an error, every meta kernel that raises, even when the caller catches it
-    (DTensor trying a layout); the dry run reports its own failures, in one line."""
-    import logging
-
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 @contextlib.contextmanager

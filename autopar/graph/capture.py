@@ -101,7 +101,7 @@ def trace(
         list(params.values()) + list(buffers.values())
         + [meta_args[i] for i in tensor_arg_positions] + [meta_kwargs[k] for k in tensor_kwarg_keys]
     )
-    with tags, fx_traceback.preserve_node_meta(), _quiet_fake_tensor_logs():
+    with tags, fx_traceback.preserve_node_meta(), quiet_fake_tensor_logs():
         try:
             # Tensors a model builds from data while tracing (torch.tensor([]) seeding a KV cache)
             # are plain meta tensors, not fake ones: accept them, they become graph constants.
@@ -336,8 +336,9 @@ def _default_loss(output: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensor_logs():
-    """Fake-tensor kernels log a traceback before raising; we report the error once, ourselves."""
+def quiet_fake_tensor_logs():
+    """Fake-tensor kernels log a traceback before raising, even when the caller catches the error
+    (DTensor trying a layout); capture and the tp dry run report their errors once, themselves."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
