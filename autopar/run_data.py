@@ -104,7 +104,8 @@ class TrainingData:
 def choose_data(data: str | None, spec, example, seq_len: int, global_batch: int, seed: int) -> TrainingData:
     """Zoo models: the corpus, a dataset or the synthetic token stream, as always. A factory model: a
     token dataset when `--data DIR` is given (a language model), its own `batches` hook, or synthetic
-    batches shaped like its example input (`--data synthetic`, or no hook)."""
+    batches shaped like its example input (`--data synthetic`, or no hook): the token stream when the
+    input is int64 ids [batch, seq] of a stated vocabulary, else `SyntheticInputs`."""
     if spec.config is not None:
         return _token_data(data, spec.config.vocab, seq_len, global_batch, seed)
     import torch
@@ -130,6 +131,8 @@ def choose_data(data: str | None, spec, example, seq_len: int, global_batch: int
                             open=lambda parallel: FactoryBatches(spec, example, global_batch),
                             describe=lambda: f"{spec.name}'s batches(global_batch, step)")
     own = callable(getattr(spec.module, "make_batch", None))
+    if ids and example.dtype == torch.int64 and spec.vocab is not None and not own:  # token ids: a learnable stream
+        return _token_data(SYNTHETIC, spec.vocab, example.shape[1], global_batch, seed)
     if not own:
         check_drawable(spec, example)
     SyntheticInputs(spec, example, global_batch, seed).next_batch()  # a make_batch hook checked before any group
