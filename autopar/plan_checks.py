@@ -19,10 +19,10 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
     searcher plans under, checked before any process group starts, so a hand-edited plan is refused
     by `--dry-run`, `inspect --check-plan` and `run` alike."""
     from autopar.api import model_hints
-    from autopar.runtime.tensor_parallel import capabilities_for, check_tp_placements, tp_placement
+    from autopar.runtime.tensor_parallel import check_tp_placements, plan_refusal, tp_placement
 
     s = plan.strategy
-    unsupported = capabilities_for(model).supports(s)
+    unsupported = plan_refusal(model, plan)  # a dtensor tp plan was dry-run: the module rules do not bind it
     if unsupported:
         return unsupported
     hints = model_hints(model)
@@ -47,7 +47,7 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
     unknown = sorted(set(plan.param_placements) - parameters)
     if unknown:
         return f"param_placements names {unknown[0]!r}, which is not a parameter of the model"
-    if s.tp > 1:
+    if s.tp > 1 and plan.tp_realization == "modules":
         return check_tp_placements(model, {name: tp_placement(text) for name, text in plan.param_placements.items()},
                                    s.sp)
     return None

@@ -1,13 +1,15 @@
-"""`autopar run`: train a zoo model under a plan, on the processes torchrun started (or on this one).
+"""`autopar run`: train a model (the zoo's or a user's factory) under a plan, on the processes torchrun
+started (or on this one).
 
 The plan is either read from `--plan` or searched on the fly for the running world size; every
 rank searches the same inputs, and rank 0's plan is broadcast so that all ranks run one plan even if
 a solver broke a tie differently.
 
-Data: a prepared token dataset (`--data DIR`), by default the embedded byte-level corpus of the
-Python standard library; each dp rank's `TokenLoader` reads only its own rows. `--data synthetic`
-keeps the old random-walk stream (every rank draws the whole batch from `--seed`), for tests that
-need a stream independent of the dataset.
+Data (`autopar/run_data.py`): a prepared token dataset (`--data DIR`), by default the embedded
+byte-level corpus of the Python standard library for zoo models; each dp rank's `TokenLoader` reads
+only its own rows. `--data synthetic` keeps the old random-walk stream (every rank draws the whole
+batch from `--seed`). A factory model trains on batches shaped like its example input, or on its
+own `batches` hook (`autopar/run_inputs.py`).
 
 Checkpoints (`--checkpoint-dir`): weights, optimizer, generators and, in `extra`, the step, the
 data position, the plan and the run's arguments. A checkpoint loads under any plan, so a job can
@@ -26,11 +28,19 @@ from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.run_config import RunConfig, run_config
-from autopar.run_data import SYNTHETIC, SyntheticTokens, open_data
-from autopar.run_loop import Reporter, StopRequest, TrainingLoop
+from autopar.run_data import TrainingData, choose_data
+from autopar.run_plan import (
+    batch_text,
+    load_run_plan,
+    plan_global_batch,
+    planning_cluster,
+    print_dry_run,
+    provenance_cluster,
+    search_plan,
+    strategy_text,
+)
 from autopar.run_profile import check_profile_outputs, train_with_profile
-
-GiB = 2**30
+from autopar.runtime.training_loop import Reporter, StopRequest, TrainingLoop
 
 
 @dataclass
@@ -81,47 +91,68 @@ def _peer_failure(error: RuntimeError) -> bool:
                                          "remote worker", "NCCL communicator was aborted"))
 
 
+@dataclass
+class Launch:
+    """What `_run` settled before any process group: the model, its plan and what it trains on."""
+
+    spec: Any  # autopar.models.ModelSpec
+    plan: Any  # autopar.plan_schema.Plan
+    cluster: Any  # for MFU; None when unknown
+    global_batch: int  # samples per optimizer step
+    batch: str  # "global batch 8 x seq 16"
+    precision: str
+    data: TrainingData
+
+
 def _run(args: RunConfig, env: Environment) -> int:
-    from autopar.models import build_model
     from autopar.cost_models.strategy import parse_strategy
+    from autopar.models import build_model
 
     args.check()
     check_profile_outputs(args)
     fixed = parse_strategy(args.strategy)
-    cluster = _planning_cluster(args.cluster, env.world_size) if args.cluster else None
+    cluster = planning_cluster(args.cluster, env.world_size) if args.cluster else None
     if args.plan is None and cluster is None:
         raise AutoparError("give --plan PATH, or --cluster (e.g. --cluster local) to search a plan for this run")
     spec = build_model(args.model, args.model_overrides)
-    if spec.config is None or spec.loss_fn is None:
-        raise AutoparError(f"autopar run trains zoo language models for now (gpt, llama, presets), not {args.model!r}: "
-                           f"synthetic token data needs the model's vocabulary")
     seq_len = args.seq_len or spec.default_seq_len
-    spec.example_inputs(1, seq_len)  # checks seq_len against the model's maximum
-    if seq_len < 2:
-        raise AutoparError(f"--seq-len {seq_len}: next-token training needs at least 2 tokens per sequence")
+    example = _model_input(spec, seq_len)
     precision = args.precision or _default_precision()
 
     if args.plan is not None:
-        plan = _load(args.plan, spec, fixed)
-        global_batch = _plan_global_batch(plan, args.global_batch)
+        plan = load_run_plan(args.plan, spec, fixed)
+        global_batch = plan_global_batch(plan, args.global_batch)
     else:
         if args.global_batch is None:
-            raise AutoparError("--global-batch is needed to search a plan (sequences per optimizer step)")
-        plan = _search(spec, cluster, fixed, args.global_batch, seq_len, precision, env)
+            raise AutoparError("--global-batch is needed to search a plan (samples per optimizer step)")
+        plan = search_plan(spec, example, cluster, fixed, args.global_batch, seq_len, precision, env.rank)
         global_batch = args.global_batch
 
+    batch = batch_text(spec, example, global_batch, seq_len)
     if args.dry_run:
-        _print_dry_run(plan, spec.name, env, global_batch, seq_len, precision)
+        print_dry_run(plan, spec.name, env, batch, precision)
         return 0
     if plan.provenance.world_size != env.world_size:  # before any process group: one line, no hang
         want, have = plan.provenance.world_size, env.world_size
         running = "this is one process" if have == 1 else f"{have} are running"
         raise AutoparError(f"the plan needs {want} processes but {running}: launch with `torchrun --nproc-per-node "
                            f"{want} -m autopar run ...`, or re-plan with `autopar plan --gpus {have}`")
-    dataset = open_data(args.data, spec.config.vocab, seq_len, global_batch)
+    data = choose_data(args.data, spec, example, seq_len, global_batch, args.seed)
     if cluster is None:
-        cluster = _provenance_cluster(plan, env.world_size)
-    return _train(args, env, spec, plan, cluster, global_batch, seq_len, precision, dataset)
+        cluster = provenance_cluster(plan, env.world_size)
+    return _train(args, env, Launch(spec, plan, cluster, global_batch, batch, precision, data))
+
+
+def _model_input(spec, seq_len: int):
+    """The model's one input at batch 1 (on meta); refusals in one line before anything runs."""
+    if spec.config is None:  # a user's factory: its example input and loss
+        from autopar.run_inputs import factory_input
+
+        return factory_input(spec, seq_len)
+    (example,) = spec.example_inputs(1, seq_len)  # checks seq_len against the model's maximum
+    if seq_len < 2:
+        raise AutoparError(f"--seq-len {seq_len}: next-token training needs at least 2 tokens per sequence")
+    return example
 
 
 def _default_precision() -> str:
@@ -130,120 +161,16 @@ def _default_precision() -> str:
     return "bf16" if torch.cuda.is_available() else "fp32"
 
 
-def _planning_cluster(name: str, world_size: int):
-    """The cluster preset or file, shaped to the running world size."""
-    from autopar.cluster import ClusterSpec, load_cluster, size_cluster
-
-    cluster = load_cluster(name)
-    if cluster.world_size == world_size:
-        return cluster
-    if cluster.gpu.name == "cpu":  # the nominal CPU cluster: N processes on one machine
-        return ClusterSpec.model_validate({**cluster.model_dump(), "gpus_per_node": world_size, "num_nodes": 1})
-    return size_cluster(cluster, world_size)
-
-
-def _provenance_cluster(plan, world_size: int):
-    """For MFU: the cluster the plan names, when it is a preset (a file's cluster may be anywhere)."""
-    from autopar.cluster import CLUSTER_PRESETS, LOCAL
-
-    name = plan.provenance.cluster_name
-    if name.lower() not in CLUSTER_PRESETS and name.lower() != LOCAL:
-        return None
-    try:
-        return _planning_cluster(name, world_size)
-    except AutoparError:
-        return None
-
-
-def _load(path: str, spec, fixed: dict[str, Any]):
-    from autopar.plan_schema import load_plan
-
-    plan = load_plan(path, model=spec.module)
-    clashes = [f"{key}={value} (the plan has {key}={getattr(plan.strategy, key)})"
-               for key, value in fixed.items() if getattr(plan.strategy, key) != value]
-    if clashes:
-        raise AutoparError(f"--strategy disagrees with plan {path}: {', '.join(clashes)}; drop --strategy or "
-                           f"re-run `autopar plan --strategy ...`")
-    return plan
-
-
-def _plan_global_batch(plan, requested: int | None) -> int:
-    s = plan.strategy
-    needed = s.dp * s.microbatch * s.num_microbatches
-    if requested is not None and requested != needed:
-        raise AutoparError(f"--global-batch {requested}, but the plan needs dp x microbatch x micro-batches = "
-                           f"{s.dp} x {s.microbatch} x {s.num_microbatches} = {needed}: drop --global-batch or "
-                           f"re-plan with `autopar plan --global-batch {requested}`")
-    return needed
-
-
-def _search(spec, cluster, fixed: dict[str, Any], global_batch: int, seq_len: int, precision: str, env: Environment):
-    import autopar
-
-    say = (lambda message: print(message, file=sys.stderr, flush=True)) if env.rank == 0 else None
-    result = autopar.plan(spec.module, spec.example_inputs(1, seq_len), cluster=cluster, global_batch=global_batch,
-                          strategy=fixed, loss_fn=spec.loss_fn, precision=precision, name=spec.name, seq_len=seq_len,
-                          progress=say)
-    if not result.fits:
-        raise AutoparError(f"{result.no_fit_reason()}; see `autopar plan` for the alternatives", exit_code=3)
-    return result.plan
-
-
-def _strategy_text(s) -> str:
-    text = f"dp={s.dp} tp={s.tp} pp={s.pp} microbatch={s.microbatch} x {s.num_microbatches} zero={s.zero} " \
-           f"recompute={s.recompute}"
-    if s.recompute_layers is not None:
-        text += f" recompute_layers={'/'.join(str(k) for k in s.recompute_layers)}"
-    if s.tp > 1:
-        text += f" sp={str(s.sp).lower()}"
-    if s.pp > 1:
-        text += f" schedule={s.schedule}" + (f" vp={s.vp}" if s.vp > 1 else "")
-    if s.offload != "none":
-        text += f" offload={s.offload}"
-    return text
-
-
-def _print_dry_run(plan, model: str, env: Environment, global_batch: int, seq_len: int, precision: str) -> None:
-    if env.rank != 0:
-        return
-    mesh = " x ".join(f"{axis.name}={axis.size}" for axis in plan.mesh)
-    print(f"model     {model} ({precision}), global batch {global_batch} x seq {seq_len}")
-    print(f"strategy  {_strategy_text(plan.strategy)}")
-    print(f"mesh      {mesh} ({plan.provenance.world_size} processes, planned for cluster "
-          f"{plan.provenance.cluster_name})")
-    for stage in plan.stages:
-        paths = stage.module_paths
-        shown = (", ".join(paths) if len(paths) <= 4
-                 else f"{paths[0]}, {paths[1]}, ... {paths[-1]} ({len(paths)} modules)")
-        print(f"stage {stage.index}   devices {stage.device_ids}: {shown}")
-    if plan.predicted is not None:
-        p = plan.predicted
-        memory = ", ".join(f"{m / GiB:.2f}" for m in p.peak_memory_bytes)
-        print(f"predicted step {p.step_time_s * 1e3:.1f} ms, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, "
-              f"peak memory per pipeline rank {memory} GiB")
-    else:
-        print("predicted (the plan has no prediction)")
-    if plan.provenance.world_size != env.world_size:
-        print(f"note: the plan is for {plan.provenance.world_size} processes, this launch has {env.world_size}: "
-              f"launch with torchrun --nproc-per-node {plan.provenance.world_size}")
-    print("dry run: nothing trained")
-
-
-def _init_process_group(env: Environment) -> None:
-    from autopar.runtime.launch import init_process_group
-
-    init_process_group(env.world_size, env.rank, env.local_rank)
-
-
-def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_len: int, precision: str,
-           dataset) -> int:
+def _train(args, env: Environment, launch: Launch) -> int:
     import torch
     import torch.distributed as dist
 
+    from autopar.runtime.launch import init_process_group
     from autopar.runtime.parallelize import parallelize
 
+    spec, plan, precision = launch.spec, launch.plan, launch.precision
     had_group = dist.is_available() and dist.is_initialized()
-    _init_process_group(env)
+    init_process_group(env.world_size, env.rank, env.local_rank)
     data = checkpointer = None
     try:
         if env.world_size > 1:  # one plan for all ranks, whatever each rank's solver chose
@@ -256,16 +183,7 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
                                compile=args.compile)
         device = parallel.layout.device
         optimizer = torch.optim.AdamW(parallel.parameters(), lr=args.lr)
-        if dataset is None:
-            data = SyntheticTokens(spec.config.vocab, global_batch, seq_len, args.seed)
-            described = (f"synthetic (random walks on a random permutation of the {spec.config.vocab}-token "
-                         f"vocabulary, seed {args.seed})")
-        else:
-            from autopar.runtime.data import TokenLoader
-
-            data = TokenLoader(dataset, seq_len, global_batch, dp_rank=parallel.layout.dp_rank,
-                               dp_size=parallel.layout.size("dp"), seed=args.seed, device=device)
-            described = f"{dataset.path} ({dataset.num_tokens:,} tokens, order seed {args.seed})"
+        data = launch.data.open(parallel)
         checkpointer = _checkpointer(args)
         first_step = _resume(args, env, checkpointer, parallel, optimizer, data) + 1
         if first_step > args.steps:
@@ -274,17 +192,17 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
                       f"(raise --steps to continue)", flush=True)
             return 0
         num_params = sum(p.numel() for p in spec.module.parameters())  # unique parameters, tied ones once
-        peak = _peak_flops(cluster, precision, env.world_size)
-        nominal = device.type != "cuda" or cluster is None or cluster.gpu.name == "cpu"
+        peak = _peak_flops(launch.cluster, precision, env.world_size)
+        nominal = device.type != "cuda" or launch.cluster is None or launch.cluster.gpu.name == "cpu"
         if env.rank == 0:
             steps = f"steps {first_step}-{args.steps}" if first_step > 1 else f"{args.steps} steps"
             print(f"training {spec.name} ({num_params:,} parameters, {precision}) for {steps} on "
-                  f"{env.world_size} process(es), {device.type}: {_strategy_text(plan.strategy)}; global batch "
-                  f"{global_batch} x seq {seq_len}; data: {described}", flush=True)
+                  f"{env.world_size} process(es), {device.type}: {strategy_text(plan.strategy)}; {launch.batch}; "
+                  f"data: {launch.data.describe()}", flush=True)
             if peak:
-                print(_mfu_basis_text(cluster, precision, device.type, nominal), flush=True)
-        loop = TrainingLoop(args, env, parallel, optimizer, data, checkpointer, plan, global_batch * seq_len,
-                            SYNTHETIC if dataset is None else str(dataset.path))
+                print(_mfu_basis_text(launch.cluster, precision, device.type, nominal), flush=True)
+        loop = TrainingLoop(args, env, parallel, optimizer, data, checkpointer, plan,
+                            launch.global_batch * launch.data.tokens_per_sample, launch.data.name)
         reporter = Reporter(args, env.rank, first_step)
         try:
             with StopRequest() as stop:
@@ -297,7 +215,7 @@ def _train(args, env: Environment, spec, plan, cluster, global_batch: int, seq_l
         if checkpointer is not None:
             checkpointer.close()  # publishes an async save still in flight
     finally:
-        if data is not None and dataset is not None:
+        if data is not None:
             data.close()
         if not had_group and dist.is_initialized():  # whoever made it here (this call or parallelize)
             dist.destroy_process_group()

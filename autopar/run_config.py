@@ -150,7 +150,8 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                      help="YAML file of run settings (keys: the flags' names with _ for -); flags override it")
     run.add_argument("--plan", metavar="PATH", help="plan file from `autopar plan --save-plan`; "
                      "give --model/--model-config of the model it was made for")
-    run.add_argument("--model", help="zoo name (e.g. gpt, llama, gpt2-124m); required, here or in --config")
+    run.add_argument("--model", help="zoo name (e.g. gpt, llama, gpt2-124m) or package.module:factory; required, "
+                     "here or in --config")
     run.add_argument("--model-config", metavar="K=V,...", help="overrides, e.g. layers=4,hidden=256")
     run.add_argument("--cluster", help="preset name or YAML/JSON cluster file to search a plan for the running "
                      "world size (WORLD_SIZE, default 1) when no --plan is given")
@@ -158,7 +159,7 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                      "checked against the plan")
     run.add_argument("--steps", type=int, help="optimizer steps to train; required, here or in --config")
     run.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
-    run.add_argument("--global-batch", type=int, help="sequences per optimizer step (default with --plan: the plan's)")
+    run.add_argument("--global-batch", type=int, help="samples per optimizer step (default with --plan: the plan's)")
     run.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
                      help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     run.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-4)")

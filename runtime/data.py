@@ -296,6 +296,12 @@ class TokenLoader:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.next()
 
+    whole_batch = False  # for the training loop: `next_batch` returns this dp rank's rows only
+
+    def next_batch(self) -> torch.Tensor:
+        """This rank's rows of the next global batch (the training loop's batch source)."""
+        return self.next()[0]
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch and their sample ids."""
         if self.prefetch == 0:

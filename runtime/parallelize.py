@@ -164,9 +164,13 @@ class ParallelModel:
         dist.all_reduce(value)
         return value.item() / (s.dp * s.num_microbatches)
 
-    def train_step(self, global_batch: torch.Tensor, optimizer: torch.optim.Optimizer,
-                   max_grad_norm: float = 0.0) -> float:
-        loss_sum = self.forward_backward(self.local_batch(global_batch))
+    def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: float = 0.0,
+                   *, local: bool = False) -> float:
+        """Forward, backward, gradient sync, clipping and the optimizer step; the global batch's mean loss.
+        `batch` is the global batch (every rank passes the same one), or with `local=True` this dp rank's
+        rows alone (a loader that reads no other rank's)."""
+        rows = batch.to(self.layout.device) if local else self.local_batch(batch)
+        loss_sum = self.forward_backward(rows)
         self.sync_gradients()
         if max_grad_norm > 0:
             self.clip_grad_norm_(max_grad_norm)

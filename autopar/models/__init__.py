@@ -64,6 +64,7 @@ class ModelSpec:
     loss_fn: Callable[..., torch.Tensor] | None
     default_seq_len: int
     extra: dict[str, Any] = field(default_factory=dict)
+    vocab: int | None = None  # the range integer inputs are drawn from (token ids), where the model states it
 
     def example_inputs(self, batch: int, seq_len: int | None = None, device: torch.device | str = "meta"):
         if seq_len is not None and seq_len < 1:
@@ -128,6 +129,7 @@ def build_model(
         ),
         loss_fn=lm_loss,
         default_seq_len=config.seq_len,
+        vocab=config.vocab,
     )
 
 
@@ -143,9 +145,9 @@ def _build_factory(target: str, overrides: dict[str, Any], device: torch.device 
         if error.name == module_name or module_name.startswith(f"{error.name}."):  # the module itself is missing
             raise AutoparError(f"cannot import {module_name!r} for model {target!r} ({error}): check the module path "
                                f"and PYTHONPATH") from error
-        raise _factory_error(target, f"importing {module_name!r}", error) from error
+        raise factory_error(target, f"importing {module_name!r}", error) from error
     except (Exception, SystemExit) as error:  # a syntax error, or whatever the module raises at import
-        raise _factory_error(target, f"importing {module_name!r}", error) from error
+        raise factory_error(target, f"importing {module_name!r}", error) from error
     factory = getattr(module_object, attr, None)
     if factory is None:
         raise AutoparError(f"module {module_name!r} has no {attr!r}: name a factory function as package.module:factory")
@@ -158,7 +160,7 @@ def _build_factory(target: str, overrides: dict[str, Any], device: torch.device 
         raise AutoparError(f"factory {target!r} rejected its arguments ({_error_text(error)}): check --model-config "
                            f"keys (--debug shows the traceback)") from error
     except (Exception, SystemExit) as error:
-        raise _factory_error(target, "building the model", error) from error
+        raise factory_error(target, "building the model", error) from error
     if not isinstance(module, nn.Module):
         raise AutoparError(f"factory {target!r} returned {type(module).__name__}, not an nn.Module")
     try:
@@ -176,7 +178,16 @@ def _build_factory(target: str, overrides: dict[str, Any], device: torch.device 
         make_inputs=_factory_inputs(target, module),
         loss_fn=getattr(module, "loss", None),
         default_seq_len=default_seq_len,
+        vocab=_factory_vocab(module),
     )
+
+
+def _factory_vocab(module: nn.Module) -> int | None:
+    """The vocabulary a factory model states: a Hugging Face `config.vocab_size`, or its own `vocab_size`."""
+    for value in (getattr(getattr(module, "config", None), "vocab_size", None), getattr(module, "vocab_size", None)):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _error_text(error: BaseException) -> str:
@@ -189,7 +200,7 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
-def _factory_error(target: str, doing: str, error: BaseException) -> AutoparError:
+def factory_error(target: str, doing: str, error: BaseException) -> AutoparError:
     return AutoparError(f"factory {target!r} failed while {doing}: {_error_text(error)}; fix the factory's code "
                         f"(--debug shows the traceback)")
 
@@ -202,7 +213,7 @@ def _factory_inputs(target: str, module: nn.Module):
             except AutoparError:
                 raise
             except (Exception, SystemExit) as error:
-                raise _factory_error(target, "making example inputs (its example_inputs method)", error) from error
+                raise factory_error(target, "making example inputs (its example_inputs method)", error) from error
 
         return example
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)

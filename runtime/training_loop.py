@@ -1,5 +1,10 @@
-"""The training loop of `autopar run` and what it reports: log lines, a progress bar, JSONL metrics,
-TensorBoard events, checkpoints, and a clean stop on SIGTERM."""
+"""The training loop `autopar run` drives a `ParallelModel` with, and what it reports: log lines, a
+progress bar, JSONL metrics, TensorBoard events, checkpoints, and a clean stop on SIGTERM.
+
+The loop trains on any batch source: `next_batch()` returns a tensor, the whole global batch when
+the source's `whole_batch` is true (every rank draws the same one) or else this dp rank's rows alone
+(a loader that reads no other rank's); `state_dict()`/`load_state_dict()` save and restore its position.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.run_data import SyntheticTokens
 
 GiB = 2**30
 
@@ -120,23 +124,11 @@ class TrainingLoop:
         self.save_prediction = None
         self._save_predicted = False
 
-    def local_rows(self):
-        """This dp rank's rows of the next global batch, on the model's device."""
-        if isinstance(self.data, SyntheticTokens):  # every rank draws the whole batch
-            return self.parallel.local_batch(self.data.next_batch())
-        tokens, _ = self.data.next()
-        return tokens
-
     def step(self) -> float:
-        """`ParallelModel.train_step` on this rank's rows alone (the loader reads no other rank's)."""
-        parallel, optimizer = self.parallel, self.optimizer
-        loss_sum = parallel.forward_backward(self.local_rows())
-        parallel.sync_gradients()
-        if self.config.max_grad_norm > 0:
-            parallel.clip_grad_norm_(self.config.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return parallel.global_loss(loss_sum)
+        """One optimizer step of `ParallelModel.train_step` on the next batch; the mean loss."""
+        batch = self.data.next_batch()
+        return self.parallel.train_step(batch, self.optimizer, self.config.max_grad_norm,
+                                        local=not self.data.whole_batch)
 
     def predict_checkpoint_cost(self, reporter: Reporter) -> None:
         """Once, before the first step (a collective): the checkpoint's predicted save time and the
