@@ -115,7 +115,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                     add("pp", "recv", tensor.bytes_for(b) / shard, m if tensor.grad else 0)
         if s.dp > 1 and s.zero >= 1:
             copies = sum(n for stage, n in tied["copies"] if stage == index)
-            for unit_params in _fsdp_unit_params(units, s.tp, copies):
+            for unit_params in _fsdp_unit_params(units, s.tp, s.dp, copies):
                 gathers = 2 * m if s.zero >= 3 else 1
                 scatters = m if s.zero >= 2 else 1
                 add("dp", "all_gather", unit_params * weight_bytes, gathers)
@@ -172,10 +172,11 @@ def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int) -> list[dict]:
     return result
 
 
-def _fsdp_unit_params(units: list[Unit], tp: int, root_copies: float = 0.0) -> list[float]:
-    """Parameters per FSDP unit of a stage: each layer its own, the rest of the stage the root's."""
-    layers = [u.params_on_device(tp) for u in units if u.layer_type is not None]
-    root = sum(u.params_on_device(tp) for u in units if u.layer_type is None) + root_copies
+def _fsdp_unit_params(units: list[Unit], tp: int, dp: int, root_copies: float = 0.0) -> list[float]:
+    """Elements per FSDP unit of a stage, padded as FSDP2 pads them: each layer its own, the rest of
+    the stage the root's."""
+    layers = [u.fsdp_gathered_params(tp, dp) for u in units if u.layer_type is not None]
+    root = sum(u.fsdp_gathered_params(tp, dp) for u in units if u.layer_type is None) + root_copies
     return [p for p in layers if p] + ([root] if root else [])
 
 

@@ -16,6 +16,7 @@ vocab-parallel embedding, or the backward of a column-parallel linear need fall 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -109,10 +110,25 @@ class Unit:
     # cut and read after it. Tensors computed from the inputs and buffers alone (masks, positions)
     # are not sent: every stage recomputes them.
     cut: tuple[CutTensor, ...] = ()
+    # Each owned parameter's shape and the dimension tp splits (None: replicated over tp): FSDP2
+    # pads a tensor's first dimension to a multiple of dp, and its collectives move the padding.
+    param_shapes: tuple[tuple[tuple[int, ...], int | None], ...] = ()
 
     def params_on_device(self, tp: int) -> float:
         """Parameters one tp rank holds: its shard of the sharded ones, all of the rest."""
         return self.sharded_params / tp + (self.params - self.sharded_params)
+
+    def fsdp_gathered_params(self, tp: int, dp: int) -> float:
+        """Elements an FSDP2 all-gather (or reduce-scatter) of this unit's tp-local parameters moves
+        over dp ranks: each tensor's first dimension is split in dp equal chunks, the last one padded
+        (ViT's [1, 1, hidden] class token moves as [2, 1, hidden] at dp=2). The padding is counted
+        for parameters tp does not split; a tp shard's rows are assumed to divide by dp (placements
+        chosen later than these facts may split other tensors)."""
+        padding = 0
+        for shape, tp_dim in self.param_shapes:
+            if tp_dim is None and shape:
+                padding += (-(-shape[0] // dp) * dp - shape[0]) * math.prod(shape[1:])
+        return self.params_on_device(tp) + padding
 
     @cached_property
     def forward_ops(self) -> tuple[OpFacts, ...]:
@@ -198,6 +214,8 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
             borrowed=tuple((owner[p], params[p].numel, p in counted)
                            for p in sorted(read_by.get(name, ())) if owner[p] != name),
             cut=cuts.get(name, ()),
+            param_shapes=tuple((tuple(params[p].shape), tp_dims.get(p, 0) if p in counted else None)
+                               for p, u in owner.items() if u == name),
         )
         for name in order
     )

@@ -105,3 +105,10 @@ def test_data_and_tensor_parallel_through_dtensor_world4():
     plans = _parity([("gpt2", dict(dp=2, tp=2, pp=1, sp=False, zero=zero, microbatch=2, recompute="none"))
                      for zero in (0, 3)], world=4)
     assert [plan.tp_realization for plan in plans] == ["dtensor", "dtensor"]
+
+
+def test_zero3_ledger_moves_fsdp_padding():
+    """ViT's class token [1, 1, hidden] and position table [1, 17, hidden] split over dp=2 in two
+    chunks of one row, one of them padding: FSDP2's all-gathers and reduce-scatters move it, and
+    the plan's ledger prices it (it priced the unpadded elements, 4,608 bytes short a step)."""
+    _parity([("vit", dict(dp=2, tp=1, pp=1, zero=3, microbatch=2))])
