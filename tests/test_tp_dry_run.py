@@ -272,3 +272,38 @@ def test_convolution_and_restride_gaps_run_replicated():
         torch.testing.assert_close(local.grad, pooled_grad)
     finally:
         dist.destroy_process_group()
+
+
+class ResidualInsideBlockLM(nn.Module):
+    """A block that adds its own input back (the residual inside the block): under autocast its input
+    cannot be sent in bf16 without rounding what the residual reads."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(32, 64)
+            self.down = nn.Linear(64, 32)
+
+        def forward(self, x):
+            return x + self.down(nn.functional.gelu(self.up(x)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.block = self.Block()
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+
+
+def test_under_autocast_a_block_whose_input_feeds_a_residual_is_refused_by_name():
+    from autopar.runtime.tp_dry_run import MODULES, DryRunSpec, dry_run
+
+    placements = (("block.down.weight", "S(1)"), ("block.up.bias", "S(0)"), ("block.up.weight", "S(0)"))
+    spec = DryRunSpec(tp=2, placements=placements, realization=MODULES, microbatch=2, precision="bf16",
+                      head_path="head")
+    outcome = dry_run(ResidualInsideBlockLM(), torch.zeros(1, 8, dtype=torch.long), next_token_loss, spec)
+    assert outcome.failed_module == "block"
+    assert outcome.reason.startswith("AutoparError: tensor-parallel block block reads its input in add besides its "
+                                     "linear projections"), outcome.reason
