@@ -265,12 +265,11 @@ def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str
     planned placements (runtime.tp_realization) when a dry run is possible (one input tensor, a loss):
     DTensor through the model's own forward runs what the module rules refuse or what breaks on
     their local shards, priced from what it sends. One probe comes first, the Megatron layout at
-    tp=2: when the module rules run it (and, in fp32, send what their analytic ledger prices), the
-    search keeps the static rules instead of dry-running every layout (seconds each: 5 s → 135 s
-    for gpt3-13b on 64 GPUs). A head that reads one token (ViT's classifier) sends less than that
-    ledger says; such a model is priced from dry runs. Under autocast (bf16, fp16) the rules send
-    some activations in fp32 where the ledger prices the low precision: a known gap (issue #17),
-    not checked here, or every zoo model would be dry-run."""
+    tp=2: when the module rules run it and send what their analytic ledger prices (in every precision:
+    under autocast they send the low precision, runtime/tp_autocast.py), the search keeps the static
+    rules instead of dry-running every layout (seconds each: 5 s → 135 s for gpt3-13b on 64 GPUs).
+    A head that reads one token (ViT's classifier) sends less than that ledger says; such a model is
+    priced from dry runs."""
     from autopar.runtime.tensor_parallel import capabilities_for
     from autopar.searcher.search import module_rules_refusal, planned_tp_placements
 
@@ -282,8 +281,8 @@ def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str
     dry = capabilities_for(model, inputs[0], loss_fn, precision)
     if module_rules_refusal(table, graph, facts) is None:
         probe = dry.tp_realization(planned_tp_placements({}, graph, facts, 2), 2, False, 1)
-        if probe.name == "modules" and probe.placements is None and (
-                precision != "fp32" or _priced_as_sent(probe, graph, facts, cluster, table)):
+        if probe.name == "modules" and probe.placements is None and _priced_as_sent(probe, graph, facts, cluster,
+                                                                                    table):
             return table
     return dry
 

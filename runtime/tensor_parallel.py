@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -26,6 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities, TpBlock, TpRules
 from autopar.errors import AutoparError
 from autopar.plan_schema import parse_placements
+from autopar.runtime.tp_autocast import LowPrecisionInput, LowPrecisionPartialOutput, ProjectionsOnly, autocast_dtype
 
 
 def tp_placement(plan_placement: str) -> str:
@@ -221,9 +223,10 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                     raise AutoparError(f"{path}.bias is {bias} but its column-parallel weight needs it S(0)")
                 kinds[path] = "col"
                 if path == head_path:
-                    styles[path] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                                   output_layouts=Shard(-1) if vocab_parallel_loss else Replicate(),
-                                                   use_local_output=not vocab_parallel_loss)
+                    styles[path] = LowPrecisionInput(ColwiseParallel(
+                        input_layouts=Shard(1) if sp else Replicate(),
+                        output_layouts=Shard(-1) if vocab_parallel_loss else Replicate(),
+                        use_local_output=not vocab_parallel_loss))
                 else:
                     styles[path] = ColwiseParallel()
             elif weight == "S(1)":
@@ -237,9 +240,9 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
         elif isinstance(module, nn.Embedding):
             weight = own.get("weight", "R")
             if weight == "S(0)":
-                styles[path] = RowwiseParallel(input_layouts=Replicate(),
-                                               output_layouts=Shard(_sequence_dim(path)) if sp else Replicate(),
-                                               use_local_output=not dtensor_stream)
+                styles[path] = LowPrecisionPartialOutput(RowwiseParallel(
+                    input_layouts=Replicate(), output_layouts=Shard(_sequence_dim(path)) if sp else Replicate(),
+                    use_local_output=not dtensor_stream))
             elif weight == "S(1)":
                 if sp:
                     raise AutoparError(f"{path}: a hidden-sharded embedding (S(1)) with sequence parallelism is not "
@@ -274,7 +277,7 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                     f"module {path!r} has a row-parallel linear before a column-parallel one ({described}): a block "
                     f"runs column-parallel inputs first and its row-parallel output last"
                 )
-            styles[path] = _BlockInput(sp)
+            styles[path] = _BlockInput(sp, path)
     return styles
 
 
@@ -283,19 +286,37 @@ class _BlockInput(ParallelStyle):
 
     Its backward is one all-reduce (or reduce-scatter under sp) of the summed gradients of all the
     block's column-parallel projections, as in Megatron-LM; other inputs (rope tables, masks) pass as they are.
+    Under autocast it is cast to the low precision first (runtime/tp_autocast.py), and only the block's
+    linear projections may read it.
     """
 
-    def __init__(self, sp: bool) -> None:
+    def __init__(self, sp: bool, path: str = "") -> None:
         super().__init__()
         self.sp = sp
+        self.path = path
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         layout = Shard(1) if self.sp else Replicate()
+        checks: list[ProjectionsOnly | None] = []  # one per forward running, entered before it, left after
 
         def convert(x):
+            low = autocast_dtype(x)
+            if low is not None:
+                x = x.to(low)
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, (layout,), run_check=False)
-            return x.redistribute(device_mesh, (Replicate(),))
+            x = x.redistribute(device_mesh, (Replicate(),))
+            # Compiled blocks skip the check: the eager dry run the plan was searched with made it.
+            check = ProjectionsOnly(x, self.path) if low is not None and not torch.compiler.is_compiling() else None
+            if check is not None:
+                check.__enter__()
+            checks.append(check)
+            return x
+
+        def leave(_module, _args, _kwargs, _output):
+            check = checks.pop() if checks else None
+            if check is not None:
+                check.__exit__(None, None, None)
 
         def hook(_module, args, kwargs):
             if args:
@@ -306,6 +327,7 @@ class _BlockInput(ParallelStyle):
                                f"hidden_states input to shard")
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_hook(leave, with_kwargs=True, always_call=True)
         return module
 
 

@@ -120,9 +120,13 @@ def test_multihead_attention_stays_replicated_with_a_reason():
     assert note.startswith("attn keeps its parameters replicated") and "unflatten" in note
 
 
-def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts():
+@pytest.mark.parametrize("precision, sp", [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts(precision, sp):
     """Two independent derivations agree on the zoo GPT: the graph's Megatron propagation
-    (`step_collectives`) and the dry run of the module rules, with and without full recompute."""
+    (`step_collectives`) and the dry run of the module rules, with and without full recompute.
+    Under bf16 autocast the ledger prices every activation collective in bf16, as Megatron-LM sends
+    them: the block inputs, the head's input and the embedding's partial output are sent so too
+    (runtime/tp_autocast.py), with sequence parallelism's all-gathers and reduce-scatters."""
     from autopar.cost_models.collectives import dry_run_ledger, step_collectives
     from autopar.cost_models.facts import model_facts
     from autopar.cost_models.collectives import head_vocab
@@ -133,19 +137,26 @@ def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts():
     from autopar.searcher.search import planned_tp_placements
 
     spec = build_model("gpt", tiny_config())
-    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, name="gpt", seq_len=16)
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, name="gpt", seq_len=16,
+                  precision=precision)
     facts = model_facts(graph, heads=4, kv_heads=4, vocab=96)
-    realize = capabilities_for(spec.module, spec.example_inputs(1)[0], spec.loss_fn).tp_realization
+    realize = capabilities_for(spec.module, spec.example_inputs(1)[0], spec.loss_fn, precision).tp_realization
     layers = tuple(facts.units[i].name for i in facts.layer_units)
     for recompute in ("none", "full"):
-        s = Strategy(dp=1, tp=2, pp=1, microbatch=2, num_microbatches=3, recompute=recompute)
-        realization = realize(planned_tp_placements({}, graph, facts, 2), 2, False, 2, recompute, layers)
+        s = Strategy(dp=1, tp=2, pp=1, sp=sp, microbatch=2, num_microbatches=3, recompute=recompute)
+        realization = realize(planned_tp_placements({}, graph, facts, 2), 2, sp, 2, recompute, layers)
         assert realization.name == "modules", realization.reason
-        ledger = step_collectives([list(facts.units)], s, "fp32", 0, seq_len=16, vocab=head_vocab(facts, s),
+        ledger = step_collectives([list(facts.units)], s, precision, 0, seq_len=16, vocab=head_vocab(facts, s),
                                   clip_grad_norm=False)
         predicted = {kind: (calls, round(size)) for (axis, kind), (calls, size) in ledger.items() if axis == "tp"}
         recomputed = set(layers) if recompute == "full" else set()
         assert dry_run_ledger(realization.collectives, 3, recomputed) == predicted, recompute
+        loss_parallel_bytes = 2 * 15 * 4  # the vocab-parallel loss's fp32 per-token max and sums
+        sent = {c.bytes for c in realization.collectives if c.phase != "step" and c.bytes != loss_parallel_bytes}
+        activation_bytes = 2 * 16 * 32 * (2 if precision == "bf16" else 4)  # one micro-batch's, in `precision`
+        # Every activation collective carries `precision`: the micro-batch's hidden states (whole, as the
+        # counter sizes all-gathers and reduce-scatters) and the position table's lookup (no batch dimension).
+        assert sent == {activation_bytes, activation_bytes // 2}, sent
 
 
 def test_dry_runs_are_cached_and_every_alias_of_a_tied_weight_counts_once():
@@ -261,3 +272,38 @@ def test_convolution_and_restride_gaps_run_replicated():
         torch.testing.assert_close(local.grad, pooled_grad)
     finally:
         dist.destroy_process_group()
+
+
+class ResidualInsideBlockLM(nn.Module):
+    """A block that adds its own input back (the residual inside the block): under autocast its input
+    cannot be sent in bf16 without rounding what the residual reads."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(32, 64)
+            self.down = nn.Linear(64, 32)
+
+        def forward(self, x):
+            return x + self.down(nn.functional.gelu(self.up(x)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.block = self.Block()
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+
+
+def test_under_autocast_a_block_whose_input_feeds_a_residual_is_refused_by_name():
+    from autopar.runtime.tp_dry_run import MODULES, DryRunSpec, dry_run
+
+    placements = (("block.down.weight", "S(1)"), ("block.up.bias", "S(0)"), ("block.up.weight", "S(0)"))
+    spec = DryRunSpec(tp=2, placements=placements, realization=MODULES, microbatch=2, precision="bf16",
+                      head_path="head")
+    outcome = dry_run(ResidualInsideBlockLM(), torch.zeros(1, 8, dtype=torch.long), next_token_loss, spec)
+    assert outcome.failed_module == "block"
+    assert outcome.reason.startswith("AutoparError: tensor-parallel block block reads its input in add besides its "
+                                     "linear projections"), outcome.reason
