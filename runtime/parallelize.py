@@ -275,7 +275,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     # every alias of a tied weight carries its placement (a stage may hold only the head's alias)
     placements.update({alias: placements[name] for alias, name in source.alias.items() if name in placements})
 
-    stage_paths = {stage.index: stage.module_paths for stage in plan.stages}
+    stage_units = {stage.index: stage.units for stage in plan.stages}
     modules: list[nn.Module] = []
     shared: dict = {}  # this rank's stages share the copies of what they share (a tied weight)
     for index in layout.stage_indices:
@@ -287,7 +287,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
                                   vocab_parallel_loss=s.pp == 1, realization=plan.tp_realization)
         # 4. recompute the planned modules
         apply_recompute(module, plan.recompute_modules, s.recompute)
-        blocks = _innermost([p for p in stage_paths[index] if _is_block(module, p)])
+        blocks = _innermost([p for p in stage_units[index] if _is_block(module, p)])
         # 5. ZeRO: FSDP2 units per block over the dp axis (their shards on the host under offload)
         if s.zero >= 1:
             apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision), s.offload)
@@ -319,12 +319,16 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
 
 
 def _is_block(module: nn.Module, path: str) -> bool:
-    """A listed module that owns no parameters itself and shares none: its own FSDP unit."""
+    """A layer unit of the plan (a repeated layer's instance, not the "pre"/"between"/"post" glue
+    around them) that shares no parameter with the rest: its own FSDP unit, as the ledger prices
+    it (`cost_models.collectives`: each layer a unit, the rest of the stage the root's)."""
+    if path in ("pre", "post") or path.startswith("between."):
+        return False
     try:
         sub = module.get_submodule(path)
     except AttributeError:
         return False
-    if sub is module or any(p is not None for p in sub._parameters.values()):
+    if sub is module or not any(True for _ in sub.parameters()):
         return False
     inside = {id(p) for p in sub.parameters()}
     outside = {id(p) for name, p in module.named_parameters(remove_duplicate=False)

@@ -107,8 +107,12 @@ def test_data_and_tensor_parallel_through_dtensor_world4():
     assert [plan.tp_realization for plan in plans] == ["dtensor", "dtensor"]
 
 
-def test_zero3_ledger_moves_fsdp_padding():
+def test_zero3_ledger_moves_fsdp_padding_and_wraps_the_layer_units():
     """ViT's class token [1, 1, hidden] and position table [1, 17, hidden] split over dp=2 in two
     chunks of one row, one of them padding: FSDP2's all-gathers and reduce-scatters move it, and
-    the plan's ledger prices it (it priced the unpadded elements, 4,608 bytes short a step)."""
-    _parity([("vit", dict(dp=2, tp=1, pp=1, zero=3, microbatch=2))])
+    the plan's ledger prices it (it priced the unpadded elements, 4,608 bytes short a step). T5's
+    layer units are its q/k/v/o projections: the runtime wraps exactly those as FSDP units, as
+    the ledger counts them (it wrapped the 4 feed-forward sub-layers, 5 gathers a step where the
+    ledger counted 25)."""
+    zero3 = dict(dp=2, tp=1, pp=1, zero=3, microbatch=2)
+    _parity([("vit", zero3), ("t5", zero3)])
