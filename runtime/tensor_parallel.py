@@ -27,7 +27,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities, TpBlock, TpRules
 from autopar.errors import AutoparError
 from autopar.plan_schema import parse_placements
-from autopar.runtime.tp_autocast import LowPrecisionInput, LowPrecisionPartialOutput, ProjectionsOnly, autocast_dtype
+from autopar.runtime.tp_autocast import (LowPrecisionInput, LowPrecisionPartialOutput, ProjectionsOnly, autocast_dtype,
+                                         block_inputs_checked)
 
 
 def tp_placement(plan_placement: str) -> str:
@@ -306,8 +307,8 @@ class _BlockInput(ParallelStyle):
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, (layout,), run_check=False)
             x = x.redistribute(device_mesh, (Replicate(),))
-            # Compiled blocks skip the check: the eager dry run the plan was searched with made it.
-            check = ProjectionsOnly(x, self.path) if low is not None and not torch.compiler.is_compiling() else None
+            # Only the dry run checks (training and compiled blocks rely on the dry run the plan was searched with).
+            check = ProjectionsOnly(x, self.path) if low is not None and block_inputs_checked() else None
             if check is not None:
                 check.__enter__()
             checks.append(check)

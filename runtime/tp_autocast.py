@@ -18,10 +18,14 @@ Megatron) give it. With fp32 (no autocast) or low-precision parameters (FSDP2, z
 already carry the low dtype) nothing is cast.
 
 A block input read by anything but its column-parallel projections (a residual or a norm inside the
-block) would see the rounded value in forward: such a block is refused (`ProjectionsOnly`).
+block) would see the rounded value in forward: such a block is refused (`ProjectionsOnly`) by the
+dry run the plan was searched with (`checking_block_inputs`); training does not pay for the check
+(a torch-function mode around every op of every block).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -95,6 +99,24 @@ class LowPrecisionPartialOutput(ParallelStyle):
         module = self.style._apply(module, device_mesh)
         module.register_forward_hook(cast_back)
         return module
+
+
+_CHECKING: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def checking_block_inputs():
+    """Within: blocks check what reads their cast input (`ProjectionsOnly`); the tp dry run enters it."""
+    before = _CHECKING[0]
+    _CHECKING[0] = True
+    try:
+        yield
+    finally:
+        _CHECKING[0] = before
+
+
+def block_inputs_checked() -> bool:
+    return _CHECKING[0] and not torch.compiler.is_compiling()
 
 
 # What reads no value: metadata, and autograd plumbing (hooks a module tracker registers on inputs).

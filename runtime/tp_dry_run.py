@@ -39,6 +39,7 @@ from torch import nn
 
 from autopar.capabilities import TpCollective
 from autopar.graph.capture import quiet_fake_tensor_logs
+from autopar.runtime.tp_autocast import checking_block_inputs
 
 MODULES, DTENSOR = "modules", "dtensor"
 SUBPROCESS_TIMEOUT_S = 600
@@ -141,7 +142,7 @@ def _step(module, example_input, loss_fn, spec: DryRunSpec, mesh, fake_mode, pha
     for path in spec.recompute:
         _mark_recompute(module.get_submodule(path), path, phase)
     apply_recompute(module, list(spec.recompute), spec.recompute_policy if spec.recompute else "none")
-    with fake_mode:
+    with fake_mode, checking_block_inputs():
         _fake_storage(module)
         x = torch.zeros((spec.microbatch, *example_input.shape[1:]), dtype=example_input.dtype, device="cpu")
         return _run(module, x, loss_fn, spec, phase)
