@@ -33,8 +33,9 @@ class ZooModel:
     repeated_blocks: int = 2  # blocks of the outermost repeated stack (pp applies when >= 2)
 
     def example(self) -> torch.Tensor:
-        """One sample on the meta device, for planning."""
-        return self.inputs(1, torch.Generator().manual_seed(0)).to("meta")
+        """Two samples on the meta device, for planning: a batch of two tells the planner which
+        tensors grow with the batch (Whisper's decoder ids are built to the batch size)."""
+        return self.inputs(2, torch.Generator().manual_seed(0)).to("meta")
 
 
 def _logits(output) -> torch.Tensor:
@@ -243,7 +244,8 @@ def zoo() -> list[ZooModel]:
                  _ids, same_token_loss),
         ZooModel("vit", "vision", _hf("ViTForImageClassification", "ViTConfig", **_VIT), _pixels, class_loss),
         ZooModel("deit", "vision", _hf("DeiTForImageClassification", "DeiTConfig", **_VIT), _pixels, class_loss),
-        ZooModel("beit", "vision", _hf("BeitForImageClassification", "BeitConfig", **_VIT, use_mask_token=True),
+        ZooModel("beit", "vision", _hf("BeitForImageClassification", "BeitConfig", **_VIT, use_mask_token=True,
+                                       drop_path_rate=0.0),
                  _pixels, class_loss),
         ZooModel("swin", "vision", _hf("SwinForImageClassification", "SwinConfig", **_VISION, embed_dim=16,
                                        depths=[2, 2], num_heads=[2, 4], window_size=4, patch_size=4,
@@ -260,7 +262,8 @@ def zoo() -> list[ZooModel]:
                                           conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 4),
                                           num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
                                           hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-                                          feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0),
+                                          feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0,
+                                          mask_time_prob=0.0),
                  _waveform, ctc_like_loss),
         ZooModel("whisper", "audio", _wrapped(WhisperLike, _hf("WhisperForConditionalGeneration", "WhisperConfig",
                                                                vocab_size=VOCAB, d_model=32, encoder_layers=2,

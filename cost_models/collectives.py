@@ -115,13 +115,16 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                     add("pp", "recv", tensor.bytes_for(b) / shard, m if tensor.grad else 0)
         if s.dp > 1 and s.zero >= 1:
             copies = sum(n for stage, n in tied["copies"] if stage == index)
-            for unit_params in _fsdp_unit_params(units, s.tp, s.dp, copies):
+            gathered = _fsdp_unit_params(units, s.tp, s.dp, copies)
+            reduced = _fsdp_unit_params(units, s.tp, s.dp, copies, gradients=True)
+            for unit_params, unit_grads in zip(gathered, reduced):
                 gathers = 2 * m if s.zero >= 3 else 1
                 scatters = m if s.zero >= 2 else 1
                 add("dp", "all_gather", unit_params * weight_bytes, gathers)
-                add("dp", "reduce_scatter", unit_params * GRADIENT_REDUCE_BYTES, scatters)
+                if unit_grads:
+                    add("dp", "reduce_scatter", unit_grads * GRADIENT_REDUCE_BYTES, scatters)
     if s.dp > 1 and s.zero == 0:
-        rank_params = sum(u.params_on_device(s.tp) for i in mine for u in stages[i]) + sum(n for _, n in tied["copies"])
+        rank_params = sum(u.trainable_on_device(s.tp) for i in mine for u in stages[i]) + sum(n for _, n in tied["copies"])
         grad_bytes = rank_params * GRADIENT_REDUCE_BYTES
         add("dp", "all_reduce", grad_bytes / max(1, math.ceil(grad_bytes / BUCKET_BYTES)),
             max(1, math.ceil(grad_bytes / BUCKET_BYTES)))
@@ -172,12 +175,17 @@ def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int) -> list[dict]:
     return result
 
 
-def _fsdp_unit_params(units: list[Unit], tp: int, dp: int, root_copies: float = 0.0) -> list[float]:
+def _fsdp_unit_params(units: list[Unit], tp: int, dp: int, root_copies: float = 0.0,
+                      gradients: bool = False) -> list[float]:
     """Elements per FSDP unit of a stage, padded as FSDP2 pads them: each layer its own, the rest of
-    the stage the root's."""
-    layers = [u.fsdp_gathered_params(tp, dp) for u in units if u.layer_type is not None]
-    root = sum(u.fsdp_gathered_params(tp, dp) for u in units if u.layer_type is None) + root_copies
-    return [p for p in layers if p] + ([root] if root else [])
+    the stage the root's. `gradients`: what its reduce-scatter moves (frozen parameters left out),
+    one entry per unit that has parameters, aligned with the gathered list."""
+    size = (lambda u: u.fsdp_reduced_params(tp, dp)) if gradients else (lambda u: u.fsdp_gathered_params(tp, dp))
+    held = [u for u in units if u.layer_type is not None and u.fsdp_gathered_params(tp, dp)]
+    root = [u for u in units if u.layer_type is None]
+    root_size = sum(size(u) for u in root) + root_copies
+    has_root = sum(u.fsdp_gathered_params(tp, dp) for u in root) + root_copies
+    return [size(u) for u in held] + ([root_size] if has_root else [])
 
 
 def merge_world(ledger: dict[tuple[str, str], tuple[int, float]], axis_sizes: dict[str, int]

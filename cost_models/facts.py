@@ -113,10 +113,35 @@ class Unit:
     # Each owned parameter's shape and the dimension tp splits (None: replicated over tp): FSDP2
     # pads a tensor's first dimension to a multiple of dp, and its collectives move the padding.
     param_shapes: tuple[tuple[tuple[int, ...], int | None], ...] = ()
+    # Parallel to param_shapes: False for a frozen parameter (requires_grad off), which has no
+    # gradient to all-reduce or reduce-scatter (Whisper's sinusoidal position table).
+    param_trainable: tuple[bool, ...] = ()
+    # Parallel to param_shapes: False for a parameter no op reads. It gets no gradient, so FSDP2
+    # reduce-scatters nothing for it; a dp bucket still all-reduces its (zero) gradient.
+    param_read: tuple[bool, ...] = ()
 
     def params_on_device(self, tp: int) -> float:
         """Parameters one tp rank holds: its shard of the sharded ones, all of the rest."""
         return self.sharded_params / tp + (self.params - self.sharded_params)
+
+    def frozen_on_device(self, tp: int) -> float:
+        """Of `params_on_device`, the elements of frozen parameters (held, never synced)."""
+        return sum(math.prod(shape) / (tp if tp_dim is not None else 1)
+                   for (shape, tp_dim), trainable in zip(self.param_shapes, self.param_trainable) if not trainable)
+
+    def trainable_on_device(self, tp: int) -> float:
+        """Parameters one tp rank holds whose gradients data parallelism syncs."""
+        return self.params_on_device(tp) - self.frozen_on_device(tp)
+
+    def fsdp_reduced_params(self, tp: int, dp: int) -> float:
+        """Elements an FSDP2 reduce-scatter moves: the gathered ones less the parameters with no
+        gradient, frozen or unread (each padded as in `fsdp_gathered_params`)."""
+        read = self.param_read or (True,) * len(self.param_shapes)
+        without = sum(-(-shape[0] // dp) * dp * math.prod(shape[1:]) if tp_dim is None and shape
+                      else math.prod(shape) / (tp if tp_dim is not None else 1)
+                      for (shape, tp_dim), trainable, is_read in zip(self.param_shapes, self.param_trainable, read)
+                      if not (trainable and is_read))
+        return self.fsdp_gathered_params(tp, dp) - without
 
     def fsdp_gathered_params(self, tp: int, dp: int) -> float:
         """Elements an FSDP2 all-gather (or reduce-scatter) of this unit's tp-local parameters moves
@@ -188,6 +213,10 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     for node in graph.nodes:
         for name in node.params:
             owner.setdefault(name, unit_of[node.name])
+    read_anywhere = set(owner)
+    for name in params:  # held (and synced, when trainable) though no op reads it: BEiT's unused mask token
+        if name not in owner and order:
+            owner[name] = order[0]
     first_input = _unit_input_bytes(graph, unit_of, per_sample)
     cuts = _cut_tensors(graph, unit_of, order, per_sample)
     elementwise_read = {p for node in graph.nodes if node.phase == "forward"
@@ -216,6 +245,8 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
             cut=cuts.get(name, ()),
             param_shapes=tuple((tuple(params[p].shape), tp_dims.get(p, 0) if p in counted else None)
                                for p, u in owner.items() if u == name),
+            param_trainable=tuple(params[p].trainable for p, u in owner.items() if u == name),
+            param_read=tuple(p in read_anywhere for p, u in owner.items() if u == name),
         )
         for name in order
     )
@@ -485,7 +516,8 @@ def _cut_tensors(graph: OpGraph, unit_of: dict[str, str], order: list[str], per_
                  ) -> dict[str, tuple[CutTensor, ...]]:
     """Per unit: the forward tensors crossing a pipeline cut placed just before it (see `Unit.cut`),
     in the order their producers ran. A tensor is recomputable when no parameter flows into it (the
-    runtime's stages recompute those)."""
+    runtime's stages recompute those). Known gap: traced at batch 1, a tensor made from weights
+    alone but expanded to the batch is priced as one sample's, whatever the micro-batch."""
     position = {unit: i for i, unit in enumerate(order)}
     forward = [node for node in graph.nodes if node.phase == "forward"]
     recomputable: set[str] = set()
@@ -509,7 +541,9 @@ def _cut_tensors(graph: OpGraph, unit_of: dict[str, str], order: list[str], per_
                 last_read[key] = max(last_read.get(key, reader), reader)
     result: dict[str, list[CutTensor]] = {}
     for (name, shape, dtype), reader in sorted(last_read.items(), key=lambda item: produced_at[item[0][0]]):
-        batched = name in from_inputs
+        # Made from the inputs, or expanded to the batch (learned queries, decoder ids built to the
+        # batch size): only a traced batch of 2 or more tells the latter from a weight-made tensor.
+        batched = name in from_inputs or (graph.batch > 1 and bool(shape) and shape[0] == graph.batch)
         size = TensorMeta(shape=shape, dtype=dtype).bytes * (per_sample if batched else 1.0)
         tensor = CutTensor(size, dtype in _FLOATING and name in from_params, batched)
         for cut in range(produced_at[name] + 1, reader + 1):

@@ -80,7 +80,30 @@ def cut_pipeline(model: nn.Module, plan: Plan, example_inputs: tuple, loss_fn: C
     reads = _leaves_read_by(loss_fn, program, example_inputs)
     split = split_program(program, [list(stage.units) for stage in plan.stages], layers, names, reads)
     holdings = [_held_parameters(model, stage.graph) for stage in split.stages]
+    _hold_unread_parameters(model, split.stages[0].graph, holdings[0], set().union(*holdings))
     return PipelineCut(program, split, holdings)
+
+
+def _hold_unread_parameters(model: nn.Module, graph: fx.Graph, first: set[str], held: set[str]) -> None:
+    """A parameter no op reads (a mask token kept for another task) still needs an owner for the
+    optimizer, the gradient sync and checkpoints: the first stage holds it, as the cost model's first
+    unit owns it. Its get_attr node has no users; the stage module keeps the attribute."""
+    canonical: dict[int, str] = {}
+    covered = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(param), name)
+        if name in held:
+            covered.add(id(param))
+    unread = [name for key, name in canonical.items() if key not in covered]
+    anchor = [node for node in graph.nodes if node.op == "placeholder"]
+    for name in unread:
+        if anchor:
+            with graph.inserting_after(anchor[-1]):
+                graph.get_attr(name)
+        else:
+            with graph.inserting_before(next(iter(graph.nodes))):
+                graph.get_attr(name)
+        first.add(name)
 
 
 def pipeline_refusal(model: nn.Module, example_inputs: tuple | None = None) -> str | None:

@@ -319,7 +319,7 @@ def _meta_parameters(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, to
         params[path] = meta
         infos[id(param)] = ParamInfo(
             name=path, shape=tuple(param.shape), dtype=str(meta.dtype).removeprefix("torch."),
-            numel=param.numel(), module_path=path.rpartition(".")[0],
+            numel=param.numel(), module_path=path.rpartition(".")[0], trainable=param.requires_grad,
         )
     return params, list(infos.values())
 

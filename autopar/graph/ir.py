@@ -64,6 +64,7 @@ class ParamInfo(BaseModel):
     numel: int
     module_path: str
     aliases: list[str] = Field(default_factory=list)  # other names of a tied parameter
+    trainable: bool = True  # requires_grad: a frozen parameter has no gradient to sync
 
 
 class LayerType(BaseModel):
