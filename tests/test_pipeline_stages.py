@@ -88,6 +88,8 @@ WORLD4 = [
 ]
 
 
+# ~40 s on 4 processes; pp x tp on the zoo Llama stays in the default set (test_runtime_parity).
+@pytest.mark.slow
 def test_pipeline_with_data_and_tensor_parallel_world4():
     """pp x dp (ZeRO 0 and 1), and pp x tp (with and without sequence parallelism): the runtime's
     tensor parallelism wraps the model's own modules inside each stage."""
