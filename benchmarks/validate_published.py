@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This tree's autopar, not whichever one the environment's editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from published_runs import PublishedRun, load_runs, published_run, trace_run  # noqa: E402
 
@@ -107,7 +109,8 @@ def traced_runs(rows: list[dict]) -> list[PublishedRun]:
         print(f"traced {run.id} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     for run in runs:
         print(f"{run.id}: --strategy {run.strategy_text()}; {run.accounting}"
-              + (f"; assumed: {', '.join(run.assumptions)}" if run.assumptions else ""))
+              + (f"; assumed: {', '.join(run.assumptions)}" if run.assumptions else "")
+              + (f"; from the supplement: {'; '.join(run.supplemented)}" if run.supplemented else ""))
     return runs
 
 

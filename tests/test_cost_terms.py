@@ -3,6 +3,7 @@ nodes, GEMM efficiency monotone in size, the per-layer fixed overhead, the imple
 (`--strategy attention/dropout/dp_overlap/tp_overlap/optimizer_state`), the planner's memory
 headroom, and the published-run accountings the validation benchmark divides by."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -221,9 +222,33 @@ def test_published_accountings_follow_their_formulas():
     model.num_params = 1_000_000_000
     assert model.measured_step_time_s() == pytest.approx((6e9 + 12 * l * h * s) * b * s / (100e12 * 8))
     assert model.fixed["attention"] == "fused" and model.fixed["recompute"] == "none"
+    # Megatron-LM's 2024 logged count: the logit GEMM once, no input-embedding term, no recompute
+    logged = published_run({**row, "flops_accounting": "MFU", "recompute": None, "source": "2024",
+                            "flops_formula": "megatron-lm-2024"})
+    assert logged.measured_step_time_s() == pytest.approx(
+        (72 * b * s * l * h**2 + 12 * b * s**2 * l * h + 6 * b * s * h * v) / (100e12 * 8))
     timed = published_run({**row, "iteration_time_s": 3.5})
     assert timed.measured_step_time_s() == 3.5
     assert isinstance(published_run({**row, "gpu": "V100"}), str)
+
+
+def test_the_supplement_completes_rows_by_id_and_says_so(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from published_runs import load_runs, published_run
+
+    runs = tmp_path / "runs.json"
+    base = {"layers": 4, "hidden": 256, "heads": 4, "seq_len": 128, "global_batch": 64, "tp": 1, "pp": 2,
+            "dp": 4, "n_gpus": 8, "gpu": "A100-SXM4-80GB", "measured_tflops_per_gpu": 100.0, "recompute": "full",
+            "zero_stage": 0, "flops_accounting": "96*B*s*l*h^2", "notes": "vocab 1,024", "source": "2021"}
+    runs.write_text(json.dumps({"runs": [{**base, "id": "a-1b"}, {**base, "id": "b-1b"}]}))
+    supplement = tmp_path / "supplement.json"
+    supplement.write_text(json.dumps({"overrides": [
+        {"id": "a-1b", "micro_batch": 2, "vp": 1, "dp_overlap": True, "source": "a launch script"}]}))
+    _, rows = load_runs(runs, supplement)
+    a, b = (published_run(row) for row in rows)
+    assert a.fixed["microbatch"] == 2 and a.fixed["schedule"] == "1f1b" and a.fixed["dp_overlap"] is True
+    assert a.supplemented and "a launch script" in a.supplemented[0]
+    assert "microbatch" not in b.fixed and b.fixed["dp_overlap"] is False and not b.supplemented
 
 
 def test_the_runtime_refuses_a_plan_priced_for_other_software_before_anything_runs():
