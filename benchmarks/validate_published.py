@@ -40,7 +40,7 @@ from autopar.searcher.candidates import evaluate_fitted, priced_as_run, what_if 
 
 DEFAULT_RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json"
 # The fitted constants and the ranges searched (log-spaced grid, then refined around the best).
-FITTED = {"gemm_half_dim": (8.0, 1024.0), "layer_overhead_s": (1e-6, 2e-3)}
+FITTED = {"gemm_half_ridges": (0.05, 8.0)}
 GRID = 9
 
 
