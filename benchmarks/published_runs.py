@@ -6,7 +6,8 @@ here and printed with the results (`assumptions`).
 Row fields read: layers, hidden, heads, seq_len, global_batch, micro_batch, tp, pp, dp, vp,
 zero_stage, recompute, precision, n_gpus, gpu, measured_tflops_per_gpu, iteration_time_s,
 tokens_per_s_per_gpu, flops_accounting, params_b, notes, source; optional overrides: vocab,
-tied, attention, dropout, dp_overlap, tp_overlap, sp, family, flops_formula ("megatron-lm-2024":
+tied, attention, dropout, dp_overlap, tp_overlap, sp, family, inter_node (a LinkSpec's fields over
+the preset's network), flops_formula ("megatron-lm-2024":
 Megatron-LM's logged count, `counted_flops`).
 
 `published_runs_supplement.json` (beside this file) completes or corrects rows by id from other
@@ -220,6 +221,11 @@ def published_run(row: dict[str, Any]) -> PublishedRun | str:
         fixed["vp"], fixed["schedule"] = vp, "interleaved" if vp > 1 else "1f1b"
     fixed.update(profile)
     cluster = load_cluster(preset, gpus=row["n_gpus"])
+    if row.get("inter_node"):  # the row's own network, over the preset's (a measured or line-rate figure)
+        link = {**cluster.inter_node.model_dump(), **row["inter_node"], "name": f"{row['id']} network",
+                "source": "the published row"}
+        cluster = ClusterSpec.model_validate({**cluster.model_dump(), "inter_node": link})
+        notes.append(f"network {link['bandwidth_bytes_per_s'] * link['efficiency'] / 1e9:g} GB/s per GPU between nodes")
     return PublishedRun(row=row, family=family_of(row), vocab=vocab, tied=tied, precision=precision, cluster=cluster,
                         fixed=fixed, accounting=_accounting(row), assumptions=notes,
                         supplemented=list(row.get("_supplemented", [])))

@@ -39,6 +39,7 @@ from autopar.cost_models.strategy import parse_strategy  # noqa: E402
 from autopar.searcher.candidates import evaluate_fitted, priced_as_run, what_if  # noqa: E402
 
 DEFAULT_RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json"
+MORE_RUNS = Path(__file__).resolve().parent / "published_runs_more.json"  # further families, each field cited
 # The fitted constants and the ranges searched (log-spaced grid, then refined around the best).
 FITTED = {"gemm_half_ridges": (0.05, 8.0)}
 GRID = 9
@@ -169,7 +170,7 @@ def _summary(label: str, runs: list[PublishedRun], errors: dict[str, float]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", default=[str(DEFAULT_RUNS)], help="published-runs JSON files")
+    parser.add_argument("--runs", nargs="+", default=[str(DEFAULT_RUNS), str(MORE_RUNS)], help="published-runs JSON files")
     parser.add_argument("--only", default="", help="comma-separated row ids")
     parser.add_argument("--no-fit", action="store_true", help="price with FITTED_EFFICIENCY as committed, no fits")
     args = parser.parse_args()

@@ -269,6 +269,11 @@ def test_the_supplement_completes_rows_by_id_and_says_so(tmp_path):
     assert a.fixed["microbatch"] == 2 and a.fixed["schedule"] == "1f1b" and a.fixed["dp_overlap"] is True
     assert a.supplemented and "a launch script" in a.supplemented[0]
     assert "microbatch" not in b.fixed and b.fixed["dp_overlap"] is False and not b.supplemented
+    # a row's own network replaces the preset's between nodes, nothing else
+    own = published_run({**rows[1], "inter_node": {"bandwidth_bytes_per_s": 6.25e9, "efficiency": 1.0}})
+    assert own.cluster.inter_node.effective_bandwidth_bytes_per_s == 6.25e9
+    assert own.cluster.inter_node.latency_s == b.cluster.inter_node.latency_s
+    assert own.cluster.intra_node == b.cluster.intra_node and any("network" in note for note in own.assumptions)
 
 
 def test_the_runtime_refuses_a_plan_priced_for_other_software_before_anything_runs():
