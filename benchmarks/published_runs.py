@@ -6,7 +6,13 @@ here and printed with the results (`assumptions`).
 Row fields read: layers, hidden, heads, seq_len, global_batch, micro_batch, tp, pp, dp, vp,
 zero_stage, recompute, precision, n_gpus, gpu, measured_tflops_per_gpu, iteration_time_s,
 tokens_per_s_per_gpu, flops_accounting, params_b, notes, source; optional overrides: vocab,
-tied, attention, dropout, dp_overlap, tp_overlap, sp, family.
+tied, attention, dropout, dp_overlap, tp_overlap, sp, family, inter_node (a LinkSpec's fields over
+the preset's network), flops_formula ("megatron-lm-2024":
+Megatron-LM's logged count, `counted_flops`).
+
+`published_runs_supplement.json` (beside this file) completes or corrects rows by id from other
+cited sources (the authors' launch scripts, the code that computed the published figure); every
+row it touches lists the fields it set and their source (`supplemented`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from autopar.graph import OpGraph, trace
 from autopar.models import build_model
 
 DEFAULT_VOCAB = 51200  # GPT-2's padded vocabulary, Megatron-LM's default for its GPT runs
+SUPPLEMENT = Path(__file__).resolve().parent / "published_runs_supplement.json"
+MEGATRON_2024 = "megatron-lm-2024"
 
 
 @dataclass
@@ -36,6 +44,7 @@ class PublishedRun:
     fixed: dict[str, Any]  # the `--strategy` keys this run fixes (parallel layout and implementation)
     accounting: str  # "measured time" | "hardware FLOPs (Megatron SC'21 Eq. 3)" | "model FLOPs (6N + 12lhs)"
     assumptions: list[str] = field(default_factory=list)
+    supplemented: list[str] = field(default_factory=list)  # fields set from SUPPLEMENT, with their source
     facts: ModelFacts | None = None
     graph: OpGraph | None = None
     num_params: int = 0
@@ -64,6 +73,11 @@ class PublishedRun:
         if self.accounting.startswith("hardware"):
             # Narayanan et al. SC'21, Eq. 3: forward, backward and the recompute forward.
             return 96 * b * s * l * h**2 * (1 + s / (6 * h) + self.vocab / (16 * l * h))
+        if self.accounting.startswith("Megatron-LM"):
+            # megatron/training/training.py num_floating_point_operations (2024) for a GPT with
+            # multi-head attention and a 4h MLP: the dense GEMMs, full-square attention, and the
+            # logit GEMM once (no input-embedding term), no recompute.
+            return 72 * b * s * l * h**2 + 12 * b * s**2 * l * h + 6 * b * s * h * self.vocab
         # model FLOPs as the file's `about` states them: 6·N per token (N: every parameter,
         # embeddings included) plus attention's 12·l·h·s per token, no recompute.
         return (6 * self.num_params + 12 * l * h * s) * b * s
@@ -73,9 +87,20 @@ def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def load_runs(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
+def load_runs(path: str | Path, supplement: str | Path | None = SUPPLEMENT) -> tuple[str, list[dict[str, Any]]]:
+    """The file's rows, each completed from `supplement` where it has an entry for the row's id."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))
-    return data.get("about", ""), data["runs"]
+    extra = {} if supplement is None else {
+        entry["id"]: entry for entry in json.loads(Path(supplement).read_text(encoding="utf-8"))["overrides"]}
+    return data.get("about", ""), [_supplemented(row, extra.get(row["id"])) for row in data["runs"]]
+
+
+def _supplemented(row: dict[str, Any], entry: dict[str, Any] | None) -> dict[str, Any]:
+    if entry is None:
+        return row
+    fields = {key: value for key, value in entry.items() if key not in ("id", "source")}
+    note = f"{', '.join(f'{key}={value}' for key, value in fields.items())} ({entry['source'][:60]}...)"
+    return {**row, **fields, "_supplemented": [*row.get("_supplemented", []), note]}
 
 
 def family_of(row: dict[str, Any]) -> str:
@@ -132,6 +157,8 @@ def _tied(row: dict[str, Any], vocab: int, notes: list[str]) -> bool:
 def _accounting(row: dict[str, Any]) -> str:
     if row.get("iteration_time_s") or row.get("tokens_per_s_per_gpu"):
         return "measured time"
+    if row.get("flops_formula") == MEGATRON_2024:
+        return "Megatron-LM 2024 logged FLOPs (72Bslh^2 + 12Bs^2lh + 6BshV, no recompute)"
     text = str(row.get("flops_accounting", "")) + " " + str(row.get("recompute") or "")
     if "96*B*s*l*h^2" in text.replace(" ", "") or "recompute forward" in text or "closer to HFU" in text:
         return "hardware FLOPs (Megatron SC'21 Eq. 3, recompute counted)"
@@ -189,12 +216,19 @@ def published_run(row: dict[str, Any]) -> PublishedRun | str:
                              **_recompute(row)}
     if row.get("micro_batch"):
         fixed["microbatch"] = int(row["micro_batch"])
-    if row.get("vp"):
-        fixed["vp"], fixed["schedule"] = int(row["vp"]), "interleaved"
+    if row.get("vp"):  # vp 1 with pp > 1: the plain 1F1B schedule, as published
+        vp = int(row["vp"])
+        fixed["vp"], fixed["schedule"] = vp, "interleaved" if vp > 1 else "1f1b"
     fixed.update(profile)
     cluster = load_cluster(preset, gpus=row["n_gpus"])
+    if row.get("inter_node"):  # the row's own network, over the preset's (a measured or line-rate figure)
+        link = {**cluster.inter_node.model_dump(), **row["inter_node"], "name": f"{row['id']} network",
+                "source": "the published row"}
+        cluster = ClusterSpec.model_validate({**cluster.model_dump(), "inter_node": link})
+        notes.append(f"network {link['bandwidth_bytes_per_s'] * link['efficiency'] / 1e9:g} GB/s per GPU between nodes")
     return PublishedRun(row=row, family=family_of(row), vocab=vocab, tied=tied, precision=precision, cluster=cluster,
-                        fixed=fixed, accounting=_accounting(row), assumptions=notes)
+                        fixed=fixed, accounting=_accounting(row), assumptions=notes,
+                        supplemented=list(row.get("_supplemented", [])))
 
 
 def trace_run(run: PublishedRun) -> PublishedRun:

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This tree's autopar, not whichever one the environment's editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from published_runs import PublishedRun, load_runs, published_run, trace_run  # noqa: E402
 
@@ -37,8 +39,9 @@ from autopar.cost_models.strategy import parse_strategy  # noqa: E402
 from autopar.searcher.candidates import evaluate_fitted, priced_as_run, what_if  # noqa: E402
 
 DEFAULT_RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json"
+MORE_RUNS = Path(__file__).resolve().parent / "published_runs_more.json"  # further families, each field cited
 # The fitted constants and the ranges searched (log-spaced grid, then refined around the best).
-FITTED = {"gemm_half_dim": (8.0, 1024.0), "layer_overhead_s": (1e-6, 2e-3)}
+FITTED = {"gemm_half_ridges": (0.05, 8.0)}
 GRID = 9
 
 
@@ -107,7 +110,8 @@ def traced_runs(rows: list[dict]) -> list[PublishedRun]:
         print(f"traced {run.id} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     for run in runs:
         print(f"{run.id}: --strategy {run.strategy_text()}; {run.accounting}"
-              + (f"; assumed: {', '.join(run.assumptions)}" if run.assumptions else ""))
+              + (f"; assumed: {', '.join(run.assumptions)}" if run.assumptions else "")
+              + (f"; from the supplement: {'; '.join(run.supplemented)}" if run.supplemented else ""))
     return runs
 
 
@@ -166,7 +170,7 @@ def _summary(label: str, runs: list[PublishedRun], errors: dict[str, float]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", default=[str(DEFAULT_RUNS)], help="published-runs JSON files")
+    parser.add_argument("--runs", nargs="+", default=[str(DEFAULT_RUNS), str(MORE_RUNS)], help="published-runs JSON files")
     parser.add_argument("--only", default="", help="comma-separated row ids")
     parser.add_argument("--no-fit", action="store_true", help="price with FITTED_EFFICIENCY as committed, no fits")
     args = parser.parse_args()
