@@ -21,6 +21,7 @@ from typing import Any, Callable
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
 from autopar.plan_schema import Strategy
+from autopar.cost_models.experts import fewest_experts
 from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.compute import Efficiency
 from autopar.cost_models.evaluate import Evaluation, evaluate
@@ -139,13 +140,13 @@ def _commonest_rule(keys: dict[str, Any], facts: ModelFacts, cluster: ClusterSpe
     """The rule most completions of `keys` break at `batch` (the search's own checks, in its words)."""
     broken: dict[str, int] = {}
     dp = None
-    for strategy in completions(keys, cluster.world_size, batch):
+    for strategy in completions(keys, cluster.world_size, batch, fewest_experts(facts.experts)):
         dp = strategy.dp
         reason = supports(strategy) if supports is not None else None
         if reason is None:
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=batch, layers=layers,
-                               heads=facts.heads, kv_heads=facts.kv_heads)
+                               heads=facts.heads, kv_heads=facts.kv_heads, experts=fewest_experts(facts.experts))
             except AutoparError as error:
                 reason = str(error)
         if reason is not None:
