@@ -1,7 +1,7 @@
 """Why not the obvious alternatives: each row names a strategy a user might expect and why it loses, in numbers.
 
 Rows: the runners-up, then the best member of each obvious family (pure data parallel, tensor
-parallel inside a node only, no pipeline), priced exactly as `refine` prices Megatron's layout and
+parallel inside a node only, no pipeline, and for a MoE model expert parallel), priced exactly as `refine` prices Megatron's layout and
 set against the chosen plan (the closest one when nothing fits). A row says how much slower it is
 per token and which part of the step grew most, or which memory part overflows. A family with no
 valid member among the ranked completions is priced on its own: without the keys of `--strategy`
@@ -62,6 +62,10 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
     families = {"pure data parallel": {"tp": 1, "pp": 1},
                 f"tensor parallel only (tp={tp_node})": {"tp": tp_node, "pp": 1},
                 "no pipeline (pp=1)": {"pp": 1}}
+    experts = fewest_experts(facts.experts)
+    ep = max((d for d in range(2, world + 1) if world % d == 0 and experts and experts % d == 0), default=None)
+    if ep is not None:  # a MoE model: its experts over as many ranks as they split into
+        families[f"expert parallel (ep={ep})"] = {"ep": ep}
     for label, degrees in families.items():
         members = [e for e in quick if all(getattr(e.strategy, k) == v for k, v in degrees.items())]
         without = rule = ""

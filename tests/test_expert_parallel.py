@@ -4,6 +4,7 @@ strategy key, capability table, search, and parity on gloo processes against one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -35,6 +36,15 @@ def small():
     spec = build_model("gpt", SMALL)
     graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16", name="moe")
     return graph, model_facts(graph, heads=4, vocab=128)
+
+
+EP2 = dict(dp=2, tp=1, pp=1, zero=0, microbatch=2, ep=2)
+
+
+@pytest.fixture(scope="module")
+def ep2_plan():
+    """The searcher's plan for ep=2 sharing dp=2 on the tiny MoE GPT (2 layers)."""
+    return make_plan("gpt", tiny_config(layers=2, **MOE), EP2, 2, GLOBAL_BATCH)
 
 
 def _strategy(**keys) -> Strategy:
@@ -119,13 +129,13 @@ def test_ledger_lists_the_all_to_alls_and_the_expert_replicas_sum(small):
 
 # --- strategy, plan file, capability table, search ----------------------------------------------
 
-def test_ep_parses_and_old_plans_load_as_ep_1(tmp_path):
+def test_ep_parses_and_old_plans_load_as_ep_1(tmp_path, ep2_plan):
     assert parse_strategy("dp=4,ep=2") == {"dp": 4, "ep": 2}
     with pytest.raises(AutoparError, match="ep must be at least 1"):
         parse_strategy("ep=0")
     with pytest.raises(ValueError, match="must divide dp"):
         _strategy(dp=2, ep=4)
-    plan = make_plan("gpt", tiny_config(**MOE), dict(dp=2, tp=1, pp=1, zero=0, microbatch=2, ep=2), 2, 8)
+    plan = ep2_plan
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     assert load_plan(path).strategy.ep == 2
@@ -143,14 +153,23 @@ def _plan(model_config: dict, strategy: str | None, gpus: int = 2, batch: int = 
                         global_batch=batch, strategy=strategy, loss_fn=spec.loss_fn, name="moe", use_ilp=False)
 
 
-def test_ep_outside_the_capability_table_is_refused_in_one_line():
+def test_ep_outside_the_capability_table_is_refused_in_one_line(small):
+    from autopar.capabilities import Capabilities
+    from autopar.cost_models.experts import expert_parallel_refusal
+    from autopar.cost_models.strategy import check_strategy
+
     with pytest.raises(AutoparError, match="needs mixture-of-experts layers; this model has none"):
-        _plan(tiny_config(), "ep=2")
-    with pytest.raises(AutoparError, match="use zero=0 with ep > 1"):
-        _plan(tiny_config(**MOE), "dp=2,zero=1,ep=2,microbatch=2")
+        _plan(tiny_config(layers=2), "ep=2")  # the API sets the model's refusal
+    runtime = Capabilities(expert_parallel_refusal=expert_parallel_refusal(small[1].experts))
+    assert runtime.supports(_strategy(ep=2)) is None and runtime.supports(_strategy(ep=2, recompute="full")) is None
+    assert "use zero=0 with ep > 1" in runtime.supports(_strategy(ep=2, zero=1))
+    assert "use tp=1 and pp=1" in runtime.supports(_strategy(dp=2, tp=2, ep=2, microbatch=2))
+    assert "selective recompute would resend" in runtime.supports(_strategy(ep=2, recompute="selective"))
+    assert "routes its own way" in expert_parallel_refusal([dataclasses.replace(small[1].experts[0],
+                                                                                autopar_dispatch=False)])
     with pytest.raises(AutoparError, match="does not divide the 4 experts"):
-        _plan(tiny_config(**MOE), "dp=8,ep=8,zero=0,recompute=none,microbatch=1", gpus=8)
-    assert autopar.capabilities.RUNTIME_CAPABILITIES.supports(_strategy(ep=2, recompute="full")) is not None
+        check_strategy(_strategy(dp=8, ep=8, num_microbatches=1, microbatch=1), world_size=8, global_batch=8,
+                       layers=2, experts=4)
 
 
 def test_search_offers_ep_only_on_moe_models():
@@ -158,33 +177,74 @@ def test_search_offers_ep_only_on_moe_models():
 
     assert {s.ep for s in completions({}, 8, 16, experts=4)} == {1, 2, 4}
     assert {s.ep for s in completions({}, 8, 16)} == {1}
+
+
+@pytest.mark.slow
+def test_search_ranks_ep_plans_and_says_why_not_ep():
     result = _plan(tiny_config(**MOE), "dp=2,zero=0,recompute=none,microbatch=2")
     assert {row.evaluation.strategy.ep for row in result.search.ranked} == {1, 2}
+    free = _plan(tiny_config(**MOE), None, gpus=4, batch=16)
+    assert any(row.label.startswith("expert parallel (ep=4)") or "expert parallel (ep=4)" in row.label
+               for row in free.why_not) or free.plan.strategy.ep == 4
 
 
 # --- runtime: parity and ledger on gloo processes ------------------------------------------------
 
-def _parity(world: int, strategies: list[dict], family: str = "gpt") -> None:
+def _parity(world: int, strategies: list[dict], family: str = "gpt", plans: list | None = None,
+            layers: int = 4) -> None:
     """Losses within relative 1e-5 of one process, gathered weights within 1e-5, executed placements
     the plan's, and each rank's collectives in a step equal to the plan's ledger (`_check`)."""
-    overrides = tiny_config(family, **MOE)
+    overrides = tiny_config(family, layers=layers, **MOE)
     data = batches(overrides["vocab"], GLOBAL_BATCH, SEQ, STEPS)
-    plans = [make_plan(family, overrides, strategy, world, GLOBAL_BATCH) for strategy in strategies]
+    plans = plans or [make_plan(family, overrides, strategy, world, GLOBAL_BATCH) for strategy in strategies]
     jobs = [dict(plan=plan.to_json(), model=family, overrides=overrides, data=data) for plan in plans]
     results = run_plans(world, jobs)
     losses, state = reference_run(family, overrides, data)
     for strategy, plan, ranks in zip(strategies, plans, results):
         _check(strategy, plan, ranks, losses, state)
         axis = "dp" if plan.strategy.ep == plan.strategy.dp else "ep"
-        assert ranks[0]["collectives"][(axis, "all_to_all")][0] == 4 * 4 * plan.strategy.num_microbatches
+        per_layer = 6 if plan.strategy.recompute == "full" else 4  # full recompute resends the forward's two
+        assert ranks[0]["collectives"][(axis, "all_to_all")][0] == per_layer * layers * plan.strategy.num_microbatches
 
 
-def test_ep2_shares_dp2_and_trains_like_one_process():
-    _parity(2, [dict(dp=2, tp=1, pp=1, zero=0, microbatch=2, ep=2)])
+def test_ep2_shares_dp2_and_trains_like_one_process(ep2_plan):
+    _parity(2, [EP2], plans=[ep2_plan], layers=2)
 
 
 @pytest.mark.slow
 def test_ep_times_dp_on_four_processes():
-    """ep=2 inside dp=4 (expert replicas summed over 'edp'), and ep=4 = dp, on Llama's SwiGLU experts."""
-    _parity(4, [dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=2), dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=4)],
-            family="llama")
+    """ep=2 inside dp=4 (expert replicas summed over 'edp'), and ep=4 = dp with full recompute, on Llama's
+    SwiGLU experts."""
+    _parity(4, [dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=2),
+                dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=4, recompute="full")], family="llama")
+
+
+# --- what-if and report rows ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_what_if_prices_ep_and_the_report_shows_the_all_to_all(capsys, tmp_path):
+    from autopar.cli import main
+
+    config = "layers=2,hidden=64,heads=4,vocab=128,seq_len=32,moe_experts=4,moe_capacity_factor=1.0"
+    code = main(["plan", "--model", "gpt", "--model-config", config, "--cluster", "dgx-h100", "--gpus", "4",
+                 "--global-batch", "16", "--strategy", "dp=4,ep=2,zero=0,recompute=none,microbatch=4", "--no-ilp",
+                 "--report", str(tmp_path / "plan.html"), "--json", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "experts       ep=2: each MoE layer's experts split over groups of 2 of the 4 dp ranks" in out
+    assert "expert all to all" in out and "ep=2" in out.split("--strategy", 1)[1].splitlines()[0]
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["predicted"]["breakdown"]["expert_all_to_all"] > 0
+    assert "expert all to all" in (tmp_path / "plan.html").read_text()
+
+
+def test_run_refuses_checkpoints_under_ep_before_starting(tmp_path, capsys, ep2_plan):
+    from autopar.cli import main
+
+    (tmp_path / "plan.json").write_text(ep2_plan.to_json())
+    config = ",".join(f"{k}={v}" for k, v in tiny_config(layers=2, **MOE).items())
+    code = main(["run", "--model", "gpt", "--model-config", config,
+                 "--plan", str(tmp_path / "plan.json"), "--steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt2")])
+    err = capsys.readouterr().err
+    assert code == 2 and "checkpoints of expert-parallel runs (ep=2) are not implemented yet" in err
+    assert not (tmp_path / "ckpt2").exists()
