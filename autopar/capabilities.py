@@ -108,8 +108,8 @@ class Capabilities:
     # set by the search, which knows the graph's layout.
     tp_refusal: Callable[[Strategy], str | None] | None = None
     # Expert parallelism (`runtime.expert_parallel`): the zoo's MoE block with its experts sharded over
-    # ep groups of dp ranks, data parallelism only (tp = 1, pp = 1, ZeRO 0: expert gradients are summed
-    # over their replicas by the runtime's own buckets, not FSDP2's), recompute none or full (which
+    # ep groups of dp ranks, with data and pipeline parallelism (tp = 1; ZeRO 0: expert gradients are
+    # summed over their replicas by the runtime's own buckets, not FSDP2's), recompute none or full (which
     # resends each layer's forward all-to-alls, as priced): what the parity tests cover. `expert_parallel_refusal`: why the model being planned cannot run ep (no MoE layers,
     # or MoE layers of another kind); None when it can, or when no model is at hand.
     expert_parallel: bool = True
@@ -170,8 +170,8 @@ class Capabilities:
             return "the runtime has no expert parallelism"
         if self.expert_parallel_refusal:
             return self.expert_parallel_refusal
-        if strategy.tp > 1 or strategy.pp > 1:
-            return "the runtime runs expert parallelism with data parallelism only: use tp=1 and pp=1 with ep > 1"
+        if strategy.tp > 1:
+            return "the runtime runs expert parallelism without tensor parallelism: use tp=1 with ep > 1"
         if strategy.zero > 0:
             return ("the runtime's expert parallelism reduces gradients in its own buckets (zero 0): use zero=0 "
                     "with ep > 1")

@@ -125,9 +125,10 @@ class ParallelModel:
         if self.expert_buckets is not None:
             self.expert_buckets.finish()
         elif self.expert_params:  # ep = dp: each expert's gradient holds every dp rank's share already
-            for name in self.expert_params:
+            s = self.strategy
+            for name in self.expert_params:  # a pipeline schedule left the micro-batches' sum unscaled
                 if named[name].grad is not None:
-                    named[name].grad.div_(self.layout.size("dp"))
+                    named[name].grad.div_(self.layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
         _sum_partial_gradients(list(named.values()))
         for param in named.values():
             _match_gradient_placements(param)
@@ -346,7 +347,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         if groups is not None and groups.replica_group is not None:
             parallel.expert_buckets = GradientBuckets(
                 [named[name] for name in named if name in parallel.expert_params], groups.replica_group,
-                accumulations=s.num_microbatches, divide_by=layout.size("dp"))
+                accumulations=s.num_microbatches,
+                divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
     return parallel
 
 

@@ -163,7 +163,7 @@ def test_ep_outside_the_capability_table_is_refused_in_one_line(small):
     runtime = Capabilities(expert_parallel_refusal=expert_parallel_refusal(small[1].experts))
     assert runtime.supports(_strategy(ep=2)) is None and runtime.supports(_strategy(ep=2, recompute="full")) is None
     assert "use zero=0 with ep > 1" in runtime.supports(_strategy(ep=2, zero=1))
-    assert "use tp=1 and pp=1" in runtime.supports(_strategy(dp=2, tp=2, ep=2, microbatch=2))
+    assert "use tp=1 with ep > 1" in runtime.supports(_strategy(dp=2, tp=2, ep=2, microbatch=2))
     assert "selective recompute would resend" in runtime.supports(_strategy(ep=2, recompute="selective"))
     assert "routes its own way" in expert_parallel_refusal([dataclasses.replace(small[1].experts[0],
                                                                                 autopar_dispatch=False)])
@@ -204,7 +204,9 @@ def _parity(world: int, strategies: list[dict], family: str = "gpt", plans: list
         _check(strategy, plan, ranks, losses, state)
         axis = "dp" if plan.strategy.ep == plan.strategy.dp else "ep"
         per_layer = 6 if plan.strategy.recompute == "full" else 4  # full recompute resends the forward's two
-        assert ranks[0]["collectives"][(axis, "all_to_all")][0] == per_layer * layers * plan.strategy.num_microbatches
+        for rank in ranks:  # each pipeline rank's layers
+            moe = layers // plan.strategy.pp
+            assert rank["collectives"][(axis, "all_to_all")][0] == per_layer * moe * plan.strategy.num_microbatches
 
 
 def test_ep2_shares_dp2_and_trains_like_one_process(ep2_plan):
@@ -217,6 +219,13 @@ def test_ep_times_dp_on_four_processes():
     SwiGLU experts."""
     _parity(4, [dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=2),
                 dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=4, recompute="full")], family="llama")
+
+
+@pytest.mark.slow
+def test_ep_with_pipeline_stages_on_four_processes():
+    """pp=2 x dp=2 with ep=2 (1F1B, then GPipe with full recompute): each stage's experts over its dp ranks."""
+    _parity(4, [dict(dp=2, tp=1, pp=2, zero=0, microbatch=2, ep=2, schedule="1f1b"),
+                dict(dp=2, tp=1, pp=2, zero=0, microbatch=2, ep=2, schedule="gpipe", recompute="full")])
 
 
 # --- what-if and report rows ---------------------------------------------------------------------
