@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from autopar.cost_models.experts import expert_layers
+from autopar.cost_models.experts import ExpertLayer, expert_layers
 from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode, TensorMeta
 
 _CONTRACTIONS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "convolution": (0, 1)}
@@ -151,7 +151,7 @@ class ModelFacts:
     kv_heads: int | None = None
     vocab: int | None = None
     param_tp_dims: dict[str, int] = field(default_factory=dict)  # tensor-parallel shard dim of each sharded parameter
-    experts: tuple = ()  # MoE layers (`cost_models.experts.ExpertLayer`), for expert parallelism
+    experts: tuple[ExpertLayer, ...] = ()  # MoE layers, for expert parallelism
     extra: dict = field(default_factory=dict)
 
     @property

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.errors import AutoparError
 from autopar.models.moe import MoE
 
 
@@ -88,16 +87,26 @@ def build_expert_groups(layout, ep: int) -> ExpertGroups:
     return ExpertGroups(ep, ep_rank, mine["ep"], mine["edp"], axes)
 
 
+def expert_parallel_problem(model: nn.Module, ep: int) -> str | None:
+    """Why `model`'s experts cannot be split over `ep` ranks (checked before any collective), or None."""
+    layers = [(path, moe) for path, moe in model.named_modules() if isinstance(moe, MoE)]
+    if not layers:
+        return (f"the plan splits experts over ep={ep} ranks but the model has no MoE block of the zoo's "
+                f"(autopar.models.moe)")
+    for path, moe in layers:
+        if moe.num_experts % ep:
+            return f"ep={ep} does not divide the {moe.num_experts} experts of {path}"
+    return None
+
+
 def apply_expert_parallel(module: nn.Module, groups: ExpertGroups) -> list[str]:
     """Keep this rank's experts of every MoE layer (materialized values sliced) and route tokens to
-    their owners around each experts module; returns the expert parameters' names."""
+    their owners around each experts module; returns the expert parameters' names. The model was
+    checked by `expert_parallel_problem` before any collective."""
     names = []
     for path, moe in module.named_modules():
         if not isinstance(moe, MoE):
             continue
-        if moe.num_experts % groups.ep:
-            raise AutoparError(f"ep={groups.ep} does not divide the {moe.num_experts} experts of {path}: "
-                               f"re-run `autopar plan`")
         local = moe.num_experts // groups.ep
         start = groups.ep_rank * local
         for attr, param in list(moe.experts.named_parameters(recurse=False)):
@@ -106,9 +115,6 @@ def apply_expert_parallel(module: nn.Module, groups: ExpertGroups) -> list[str]:
             names.append(f"{path}.experts.{attr}" if path else f"experts.{attr}")
         moe.experts.register_forward_pre_hook(_dispatch(groups))
         moe.experts.register_forward_hook(_combine(groups))
-    if not names:
-        raise AutoparError(f"the plan shards experts over ep={groups.ep} ranks but the model has no MoE block of the "
-                           f"zoo's (autopar.models.moe): re-run `autopar plan`, which plans ep=1 for it")
     return names
 
 

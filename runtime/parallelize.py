@@ -28,7 +28,8 @@ from autopar.plan_schema import Plan
 from autopar.runtime.compile import compile_blocks
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter_device, set_microbatch_boundary
 from autopar.runtime.dtensor_tp import step_context as dtensor_step_context
-from autopar.runtime.expert_parallel import ExpertGroups, apply_expert_parallel, build_expert_groups, gather_experts
+from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel, build_expert_groups,
+                                             expert_parallel_problem, gather_experts)
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.pipeline import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
@@ -282,7 +283,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
             f"({plan.provenance.model_name}), this model is {fingerprint}: re-run `autopar plan` for this model"
         )
     s = plan.strategy
-    unsupported = plan_refusal(model, plan)
+    unsupported = plan_refusal(model, plan) or (expert_parallel_problem(model, s.ep) if s.ep > 1 else None)
     if unsupported:
         raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
     cut = None

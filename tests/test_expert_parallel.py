@@ -247,6 +247,16 @@ def test_what_if_prices_ep_and_the_report_shows_the_all_to_all(capsys, tmp_path)
     assert "expert all to all" in (tmp_path / "plan.html").read_text()
 
 
+def test_a_hand_edited_ep_plan_is_refused_against_the_model(ep2_plan):
+    from autopar.plan_checks import plan_problem_for_model
+
+    assert plan_problem_for_model(ep2_plan, build_model("gpt", tiny_config(layers=2, **MOE)).module) is None
+    dense = build_model("gpt", tiny_config(layers=2)).module
+    assert "has no MoE block of the zoo's" in plan_problem_for_model(ep2_plan, dense)
+    three = build_model("gpt", tiny_config(layers=2, **{**MOE, "moe_experts": 3})).module
+    assert "ep=2 does not divide the 3 experts of layers.0.mlp" in plan_problem_for_model(ep2_plan, three)
+
+
 def test_run_refuses_checkpoints_under_ep_before_starting(tmp_path, capsys, ep2_plan):
     from autopar.cli import main
 
