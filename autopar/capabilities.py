@@ -109,8 +109,8 @@ class Capabilities:
     tp_refusal: Callable[[Strategy], str | None] | None = None
     # Expert parallelism (`runtime.expert_parallel`): the zoo's MoE block with its experts sharded over
     # ep groups of dp ranks, with data and pipeline parallelism (tp = 1; ZeRO 0: expert gradients are
-    # summed over their replicas by the runtime's own buckets, not FSDP2's), recompute none or full (which
-    # resends each layer's forward all-to-alls, as priced): what the parity tests cover. `expert_parallel_refusal`: why the model being planned cannot run ep (no MoE layers,
+    # summed over their replicas by the runtime's own buckets, not FSDP2's), any recompute (full resends
+    # each layer's forward all-to-alls, as priced; selective saves them): what the parity tests cover. `expert_parallel_refusal`: why the model being planned cannot run ep (no MoE layers,
     # or MoE layers of another kind); None when it can, or when no model is at hand.
     expert_parallel: bool = True
     expert_parallel_refusal: str | None = None
@@ -175,9 +175,6 @@ class Capabilities:
         if strategy.zero > 0:
             return ("the runtime's expert parallelism reduces gradients in its own buckets (zero 0): use zero=0 "
                     "with ep > 1")
-        if strategy.recompute == "selective":  # it would recompute the all-to-alls its policy saves nothing of
-            return ("the runtime's expert parallelism runs with recompute none or full (selective recompute would "
-                    "resend the all-to-alls): use recompute=none or full with ep > 1")
         return None
 
 

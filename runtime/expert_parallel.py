@@ -3,10 +3,10 @@
 The dp ranks form groups of ep consecutive ranks (`ep_group`); rank j of a group keeps experts
 [j·E/ep, (j+1)·E/ep) of each layer. The zoo's MoE (`autopar.models.moe`) hands its experts one
 [E, tokens, hidden] buffer; here a hook on the experts module sends each expert's rows to the rank
-holding it (`all_to_all_single`, equal splits: the capacity pads every queue, so the bytes are the
+holding it (the functional `all_to_all_single`, equal splits: the capacity pads every queue, so the bytes are the
 ledger's whatever the routing), the rank runs its experts on the rows of the whole group, and a
-second all-to-all sends the results back in the buffer's order. Both are autograd functions whose
-backward is the transposed all-to-all, so the experts' gradients sum over the group's tokens.
+second all-to-all sends the results back in the buffer's order. Both are differentiable, their
+backward the transposed all-to-all, so the experts' gradients sum over the group's tokens.
 
 Gradients: the non-expert parameters are data parallel as before; an expert's gradient already
 holds its whole ep group's contribution, so it is summed only over the dp/ep groups that hold
@@ -21,29 +21,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from autopar.models.moe import MoE
 
 
-class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all over dim 0; its gradient is the same exchange back."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _exchange(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.group), None
-
-
-def _exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    tensor = tensor.contiguous()
-    out = torch.empty_like(tensor)
-    dist.all_to_all_single(out, tensor, group=group)
-    return out
+def _all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Equal-split all-to-all over dim 0, differentiable (its gradient is the same exchange back).
+    The functional collective, so selective recompute saves its output (`runtime.recompute`)
+    instead of sending it again."""
+    out = funcol.all_to_all_single_autograd(tensor.contiguous(), None, None, group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 @dataclass
@@ -122,7 +111,7 @@ def _dispatch(groups: ExpertGroups):
     def hook(_module: nn.Module, args: tuple) -> tuple:
         buffer = args[0]  # [E, tokens, hidden], experts in owner order
         experts, tokens, hidden = buffer.shape
-        received = _AllToAll.apply(buffer, groups.ep_group)  # [ep (source), E/ep, tokens, hidden]
+        received = _all_to_all(buffer, groups.ep_group)  # [ep (source), E/ep, tokens, hidden]
         local = experts // groups.ep
         rows = received.view(groups.ep, local, tokens, hidden).transpose(0, 1)
         return (rows.reshape(local, groups.ep * tokens, hidden),)
@@ -135,7 +124,7 @@ def _combine(groups: ExpertGroups):
         local, rows, hidden = output.shape
         tokens = rows // groups.ep
         back = output.view(local, groups.ep, tokens, hidden).transpose(0, 1).reshape(local * groups.ep, tokens, hidden)
-        return _AllToAll.apply(back, groups.ep_group)  # [E, tokens, hidden] in the buffer's order
+        return _all_to_all(back, groups.ep_group)  # [E, tokens, hidden] in the buffer's order
 
     return hook
 

@@ -164,7 +164,7 @@ def test_ep_outside_the_capability_table_is_refused_in_one_line(small):
     assert runtime.supports(_strategy(ep=2)) is None and runtime.supports(_strategy(ep=2, recompute="full")) is None
     assert "use zero=0 with ep > 1" in runtime.supports(_strategy(ep=2, zero=1))
     assert "use tp=1 with ep > 1" in runtime.supports(_strategy(dp=2, tp=2, ep=2, microbatch=2))
-    assert "selective recompute would resend" in runtime.supports(_strategy(ep=2, recompute="selective"))
+    assert runtime.supports(_strategy(ep=2, recompute="selective")) is None
     assert "routes its own way" in expert_parallel_refusal([dataclasses.replace(small[1].experts[0],
                                                                                 autopar_dispatch=False)])
     with pytest.raises(AutoparError, match="does not divide the 4 experts"):
@@ -215,10 +215,11 @@ def test_ep2_shares_dp2_and_trains_like_one_process(ep2_plan):
 
 @pytest.mark.slow
 def test_ep_times_dp_on_four_processes():
-    """ep=2 inside dp=4 (expert replicas summed over 'edp'), and ep=4 = dp with full recompute, on Llama's
-    SwiGLU experts."""
+    """ep=2 inside dp=4 (expert replicas summed over 'edp'), ep=4 = dp with full recompute (the forward's
+    all-to-alls resent) and with selective recompute (saved, not resent), on Llama's SwiGLU experts."""
     _parity(4, [dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=2),
-                dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=4, recompute="full")], family="llama")
+                dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=4, recompute="full"),
+                dict(dp=4, tp=1, pp=1, zero=0, microbatch=1, ep=4, recompute="selective")], family="llama")
 
 
 @pytest.mark.slow
