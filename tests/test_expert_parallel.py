@@ -78,6 +78,10 @@ def test_capture_records_each_moe_layer(small):
     assert (layer.experts, layer.top_k, layer.capacity_factor, capacity) == (E, K, 1.0, 16)
     assert layer.expert_param_elements == E * 2 * 64 * 256  # w_in and w_out, ffn 4 × hidden
     assert layer.dispatch_rows_per_sample == E * capacity and layer.autopar_dispatch
+    from autopar.inspect import render, summarize
+
+    assert ("mixture of experts: 2 layers (MoE, first layers.0.mlp): 4 experts, top 2, capacity factor 1.0; "
+            "262.14 K expert params; 64 rows of 64 per sequence per all-to-all") in render(summarize(graph))
     assert [(x.unit, x.dispatch_bytes_per_sample) for x in facts.experts] == [
         ("layers.0", E * capacity * 64 * 2), ("layers.1", E * capacity * 64 * 2)]  # bf16 rows
 
