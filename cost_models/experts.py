@@ -17,6 +17,8 @@ buffers (one all-to-all's send and receive buffers in flight); the received rows
 keeps are what the graph saves at ep = 1 (the same [E, b·C, hidden] per layer), so activations stay.
 Gradients: non-expert parameters reduced over dp as before; expert gradients only over their
 dp/ep replicas (nothing when ep = dp), since the all-to-all's backward already summed the ep group's.
+Priced for ZeRO 0, what the runtime runs with ep: the capability table refuses ZeRO >= 1 with ep
+(sharding expert states over their replicas, Megatron-LM's expert data parallelism, is not modelled).
 """
 
 from __future__ import annotations

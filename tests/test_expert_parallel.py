@@ -242,7 +242,8 @@ def test_what_if_prices_ep_and_the_report_shows_the_all_to_all(capsys, tmp_path)
     config = "layers=2,hidden=64,heads=4,vocab=128,seq_len=32,moe_experts=4,moe_capacity_factor=1.0"
     code = main(["plan", "--model", "gpt", "--model-config", config, "--cluster", "dgx-h100", "--gpus", "4",
                  "--global-batch", "16", "--strategy", "dp=4,ep=2,zero=0,recompute=none,microbatch=4", "--no-ilp",
-                 "--report", str(tmp_path / "plan.html"), "--json", str(tmp_path / "plan.json")])
+                 "--report", str(tmp_path / "plan.html"), "--json", str(tmp_path / "plan.json"),
+                 "--trace", str(tmp_path / "plan.trace.json")])
     out = capsys.readouterr().out
     assert code == 0
     assert "experts       ep=2: each MoE layer's experts split over groups of 2 of the 4 dp ranks" in out
@@ -250,6 +251,8 @@ def test_what_if_prices_ep_and_the_report_shows_the_all_to_all(capsys, tmp_path)
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["predicted"]["breakdown"]["expert_all_to_all"] > 0
     assert "expert all to all" in (tmp_path / "plan.html").read_text()
+    passes = [e for e in json.loads((tmp_path / "plan.trace.json").read_text())["traceEvents"] if e.get("cat") == "forward"]
+    assert passes and all("all-to-alls (ep=2)" in e["args"]["includes"] for e in passes)
 
 
 def test_a_hand_edited_ep_plan_is_refused_against_the_model(ep2_plan):
