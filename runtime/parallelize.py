@@ -341,13 +341,13 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
                                            scale_grads=not buckets)
     if buckets:  # 8. dp sync in buckets, overlapped with the last backward (they average over micro-batches too)
         named = parallel.named_parameters()
-        dense = [p for name, p in named.items() if name not in parallel.expert_params]
+        experts = {id(named[name]) for name in parallel.expert_params}
         parallel.gradient_buckets = GradientBuckets(
-            dense, layout.group("dp"), accumulations=s.num_microbatches,
-            divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
+            [p for p in parallel.parameters() if id(p) not in experts], layout.group("dp"),
+            accumulations=s.num_microbatches, divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
         if groups is not None and groups.replica_group is not None:
             parallel.expert_buckets = GradientBuckets(
-                [named[name] for name in named if name in parallel.expert_params], groups.replica_group,
+                [p for p in parallel.parameters() if id(p) in experts], groups.replica_group,
                 accumulations=s.num_microbatches,
                 divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
     return parallel

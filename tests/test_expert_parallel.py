@@ -28,14 +28,24 @@ from test_runtime_parity import GLOBAL_BATCH, SEQ, STEPS, _check
 
 E, K = 4, 2
 MOE = dict(moe_experts=E, moe_top_k=K, moe_capacity_factor=1.0)  # capacity 8 of 16 tokens: some are dropped
-SMALL = dict(layers=2, hidden=64, heads=4, vocab=128, seq_len=32, **MOE)
+SMALL = dict(layers=2, hidden=32, heads=4, vocab=96, seq_len=16, **MOE)
+HIDDEN, CAPACITY = 32, 8  # 4 experts, top 2, factor 1.0: 8 slots per expert for 16 tokens
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread (as the gloo workers run) is ~100x faster on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def small():
     spec = build_model("gpt", SMALL)
     graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16", name="moe")
-    return graph, model_facts(graph, heads=4, vocab=128)
+    return graph, model_facts(graph, heads=4, vocab=96)
 
 
 EP2 = dict(dp=2, tp=1, pp=1, zero=0, microbatch=2, ep=2)
@@ -74,16 +84,16 @@ def test_capture_records_each_moe_layer(small):
     graph, facts = small
     assert [layer.module_path for layer in graph.moe_layers] == ["layers.0.mlp", "layers.1.mlp"]
     layer = graph.moe_layers[0]
-    capacity = expert_capacity(32, E, K, 1.0)
-    assert (layer.experts, layer.top_k, layer.capacity_factor, capacity) == (E, K, 1.0, 16)
-    assert layer.expert_param_elements == E * 2 * 64 * 256  # w_in and w_out, ffn 4 × hidden
+    capacity = expert_capacity(16, E, K, 1.0)
+    assert (layer.experts, layer.top_k, layer.capacity_factor, capacity) == (E, K, 1.0, CAPACITY)
+    assert layer.expert_param_elements == E * 2 * HIDDEN * 4 * HIDDEN  # w_in and w_out, ffn 4 × hidden
     assert layer.dispatch_rows_per_sample == E * capacity and layer.autopar_dispatch
     from autopar.inspect import render, summarize
 
     assert ("mixture of experts: 2 layers (MoE, first layers.0.mlp): 4 experts, top 2, capacity factor 1.0; "
-            "262.14 K expert params; 64 rows of 64 per sequence per all-to-all") in render(summarize(graph))
+            "65.54 K expert params; 32 rows of 32 per sequence per all-to-all") in render(summarize(graph))
     assert [(x.unit, x.dispatch_bytes_per_sample) for x in facts.experts] == [
-        ("layers.0", E * capacity * 64 * 2), ("layers.1", E * capacity * 64 * 2)]  # bf16 rows
+        ("layers.0", E * capacity * HIDDEN * 2), ("layers.1", E * capacity * HIDDEN * 2)]  # bf16 rows
 
 
 # --- costs and ledger --------------------------------------------------------------------------
@@ -97,7 +107,7 @@ def test_ep_shards_expert_states_and_prices_the_all_to_alls(small):
     assert dense.memory[0].parameters - sharded.memory[0].parameters == pytest.approx(expert_elements / 2 * 2)
     assert dense.memory[0].optimizer_states - sharded.memory[0].optimizer_states == pytest.approx(
         expert_elements / 2 * 12)
-    dispatch = 2 * E * 16 * 64 * 2  # one all-to-all's buffer for a micro-batch of 2
+    dispatch = 2 * E * CAPACITY * HIDDEN * 2  # one all-to-all's buffer for a micro-batch of 2
     assert sharded.memory[0].buffers - dense.memory[0].buffers == pytest.approx(2 * dispatch)
     one = LOAD_IMBALANCE * collective_time_s("all_to_all", dispatch, group_layout(2, 1, 8), cluster)
     # 2 micro-batches x 2 layers x (dispatch + combine) x (forward + backward)
@@ -122,12 +132,12 @@ def test_ledger_lists_the_all_to_alls_and_the_expert_replicas_sum(small):
     stages = [list(facts.units)]
     dense_params = sum(u.params for u in facts.units) - sum(x.expert_params for x in facts.experts)
     expert_local = sum(x.expert_params for x in facts.experts) / 2
-    dispatch = 2 * E * 16 * 64 * 2
-    ledger = step_collectives(stages, _strategy(dp=4, ep=2), "bf16", 0, seq_len=32, experts=facts.experts)
+    dispatch = 2 * E * CAPACITY * HIDDEN * 2
+    ledger = step_collectives(stages, _strategy(dp=4, ep=2), "bf16", 0, seq_len=16, experts=facts.experts)
     assert ledger[("ep", "all_to_all")] == (2 * 2 * 4, 16 * dispatch)
     assert ledger[("dp", "all_reduce")] == (1, dense_params * 4)
     assert ledger[("edp", "all_reduce")] == (1, expert_local * 4)
-    shared = step_collectives(stages, _strategy(ep=2), "bf16", 0, seq_len=32, experts=facts.experts)
+    shared = step_collectives(stages, _strategy(ep=2), "bf16", 0, seq_len=16, experts=facts.experts)
     assert shared[("dp", "all_to_all")] == (16, 16 * dispatch) and ("edp", "all_reduce") not in shared
 
 
@@ -162,8 +172,6 @@ def test_ep_outside_the_capability_table_is_refused_in_one_line(small):
     from autopar.cost_models.experts import expert_parallel_refusal
     from autopar.cost_models.strategy import check_strategy
 
-    with pytest.raises(AutoparError, match="needs mixture-of-experts layers; this model has none"):
-        _plan(tiny_config(layers=2), "ep=2")  # the API sets the model's refusal
     runtime = Capabilities(expert_parallel_refusal=expert_parallel_refusal(small[1].experts))
     assert runtime.supports(_strategy(ep=2)) is None and runtime.supports(_strategy(ep=2, recompute="full")) is None
     assert "use zero=0 with ep > 1" in runtime.supports(_strategy(ep=2, zero=1))
@@ -240,6 +248,8 @@ def test_what_if_prices_ep_and_the_report_shows_the_all_to_all(capsys, tmp_path)
     from autopar.cli import main
 
     config = "layers=2,hidden=64,heads=4,vocab=128,seq_len=32,moe_experts=4,moe_capacity_factor=1.0"
+    with pytest.raises(AutoparError, match="needs mixture-of-experts layers; this model has none"):
+        _plan(tiny_config(layers=2), "ep=2")  # the API sets the model's refusal
     code = main(["plan", "--model", "gpt", "--model-config", config, "--cluster", "dgx-h100", "--gpus", "4",
                  "--global-batch", "16", "--strategy", "dp=4,ep=2,zero=0,recompute=none,microbatch=4", "--no-ilp",
                  "--report", str(tmp_path / "plan.html"), "--json", str(tmp_path / "plan.json"),
