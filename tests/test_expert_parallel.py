@@ -285,3 +285,33 @@ def test_run_refuses_checkpoints_under_ep_before_starting(tmp_path, capsys, ep2_
     err = capsys.readouterr().err
     assert code == 2 and "checkpoints of expert-parallel runs (ep=2) are not implemented yet" in err
     assert not (tmp_path / "ckpt2").exists()
+
+
+@pytest.mark.slow
+def test_hugging_face_moe_blocks_are_graph_facts_and_ep_is_refused_for_them():
+    """Mixtral and Qwen2-MoE sparse blocks (dropless: top_k rows per token) are captured as MoE layers;
+    the runtime's ep runs the zoo's block only, so the capability table refuses ep for them."""
+    transformers = pytest.importorskip("transformers")
+    from autopar.cost_models.experts import expert_parallel_refusal
+    from autopar.graph.moe import find_moe_layers
+
+    config = transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32)
+    with torch.device("meta"):
+        mixtral = transformers.MixtralForCausalLM(config)
+    graph = trace(mixtral, torch.zeros(1, 16, dtype=torch.long), precision="bf16",
+                  loss_fn=lambda out, ids: out.logits.float().mean())
+    layer = graph.moe_layers[0]
+    assert (len(graph.moe_layers), layer.module_path, layer.experts, layer.top_k, layer.hidden) == (
+        2, "model.layers.0.mlp", 4, 2, 32)
+    assert layer.capacity_factor is None and layer.dispatch_rows_per_sample == 2 * 16 and not layer.autopar_dispatch
+    assert "routes its own way" in expert_parallel_refusal(model_facts(graph).experts)
+    qwen = transformers.Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                       max_position_embeddings=32)
+    with torch.device("meta"):
+        layers = find_moe_layers(transformers.Qwen2MoeForCausalLM(qwen), 16)
+    assert [(x.experts, x.top_k, x.hidden) for x in layers] == [(4, 2, 32)] * 2
+    assert not any("shared_expert" in name for x in layers for name in x.expert_params)  # dense, not an expert
