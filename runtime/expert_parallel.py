@@ -88,11 +88,12 @@ def expert_parallel_problem(model: nn.Module, ep: int) -> str | None:
     return None
 
 
-def apply_expert_parallel(module: nn.Module, groups: ExpertGroups) -> list[str]:
-    """Keep this rank's experts of every MoE layer (materialized values sliced) and route tokens to
-    their owners around each experts module; returns the expert parameters' names. The model was
+def apply_expert_parallel(module: nn.Module, groups: ExpertGroups) -> dict[str, tuple[int, int]]:
+    """Keep this rank's experts of every MoE layer (on meta before materialization, so only they are
+    ever allocated) and route tokens to their owners around each experts module; returns each expert
+    parameter's rows of the full tensor, by name, for `runtime.init.materialize`. The model was
     checked by `expert_parallel_problem` before any collective."""
-    names = []
+    names = {}
     for path, moe in module.named_modules():
         if not isinstance(moe, MoE):
             continue
@@ -101,7 +102,7 @@ def apply_expert_parallel(module: nn.Module, groups: ExpertGroups) -> list[str]:
         for attr, param in list(moe.experts.named_parameters(recurse=False)):
             kept = nn.Parameter(param.detach()[start:start + local].clone(), requires_grad=param.requires_grad)
             setattr(moe.experts, attr, kept)
-            names.append(f"{path}.experts.{attr}" if path else f"experts.{attr}")
+            names[f"{path}.experts.{attr}" if path else f"experts.{attr}"] = (start, start + local)
         moe.experts.register_forward_pre_hook(_dispatch(groups))
         moe.experts.register_forward_hook(_combine(groups))
     return names

@@ -2,8 +2,8 @@
 
 Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel (module
 rules, or DTensor through the model's forward, as the plan's `tp_realization` says) → recompute →
-FSDP/ZeRO → materialize local shards → expert parallel (each rank's experts kept, all-to-alls around
-them) → schedule → dp gradient buckets (zero 0; expert gradients over their replicas). Tensor parallelism comes before FSDP
+FSDP/ZeRO → expert parallel (each rank's experts kept, all-to-alls around them) → materialize local
+shards → schedule → dp gradient buckets (zero 0; expert gradients over their replicas). Tensor parallelism comes before FSDP
 so FSDP shards the DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside
 the checkpointed forward; materialization last, so every rank only ever allocates its shards.
 """
@@ -315,12 +315,14 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 5. ZeRO: FSDP2 units per block over the dp axis (their shards on the host under offload)
         if s.zero >= 1:
             apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision), s.offload)
-        # 6. materialize this rank's shards with the sharding-independent init
-        materialize(module, source, layout.device, parameter_device(layout.device, s.offload))
-        if s.ep > 1:  # 6b. this rank's experts, tokens routed to their owners by all-to-all
+        expert_rows = {}
+        if s.ep > 1:  # 6. this rank's experts, tokens routed to their owners by all-to-all
             groups = groups or build_expert_groups(layout, s.ep)
-            expert_names += apply_expert_parallel(module, groups)
-        if compile:  # 6c. compile each block's forward, inside every wrapper above (runtime/compile.py)
+            expert_rows = apply_expert_parallel(module, groups)
+            expert_names += list(expert_rows)
+        # 7. materialize this rank's shards (and experts) with the sharding-independent init
+        materialize(module, source, layout.device, parameter_device(layout.device, s.offload), expert_rows)
+        if compile:  # 7b. compile each block's forward, inside every wrapper above (runtime/compile.py)
             compile_blocks(module, blocks)
         modules.append(module)
 
@@ -334,12 +336,12 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     parallel.canonical = dict(source.alias)
     parallel.expert_groups, parallel.expert_params = groups, frozenset(expert_names)
     buckets = s.zero == 0 and layout.size("dp") > 1
-    if cut is not None:  # 7. the pipeline schedule over this rank's stages
+    if cut is not None:  # 8. the pipeline schedule over this rank's stages
         parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters())
         parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
                                            layout.group("pp"), s.schedule, s.num_microbatches, loss_fn,
                                            scale_grads=not buckets)
-    if buckets:  # 8. dp sync in buckets, overlapped with the last backward (they average over micro-batches too)
+    if buckets:  # 9. dp sync in buckets, overlapped with the last backward (they average over micro-batches too)
         named = parallel.named_parameters()
         experts = {id(named[name]) for name in parallel.expert_params}
         parallel.gradient_buckets = GradientBuckets(
