@@ -107,6 +107,13 @@ class Capabilities:
     # runs only through DTensor, which has no sequence parallelism nor pipeline stages here);
     # set by the search, which knows the graph's layout.
     tp_refusal: Callable[[Strategy], str | None] | None = None
+    # Expert parallelism (`runtime.expert_parallel`): the zoo's MoE block with its experts sharded over
+    # ep groups of dp ranks, with data and pipeline parallelism (tp = 1; ZeRO 0: expert gradients are
+    # summed over their replicas by the runtime's own buckets, not FSDP2's), any recompute (full resends
+    # each layer's forward all-to-alls, as priced; selective saves them): what the parity tests cover. `expert_parallel_refusal`: why the model being planned cannot run ep (no MoE layers,
+    # or MoE layers of another kind); None when it can, or when no model is at hand.
+    expert_parallel: bool = True
+    expert_parallel_refusal: str | None = None
 
     @property
     def supports_offload(self) -> bool:
@@ -133,6 +140,10 @@ class Capabilities:
                         "on one GPU too)")
             if strategy.tp > 1 or strategy.pp > 1:
                 return "the runtime offloads optimizer states with data parallelism only: use tp=1 and pp=1"
+        if strategy.ep > 1:
+            reason = self._expert_parallel_refusal(strategy)
+            if reason:
+                return reason
         if strategy.sp and not self.sequence_parallel:
             return "the runtime has no sequence parallelism"
         if strategy.vp > self.max_vp:
@@ -152,6 +163,18 @@ class Capabilities:
             return (f"the runtime's pipeline schedules run ZeRO {strategy.zero} as ZeRO 1 (gradients reduced once "
                     f"per step, weights kept gathered between micro-batches): use zero ≤ "
                     f"{self.max_zero_with_pipeline} with pp > 1")
+        return None
+
+    def _expert_parallel_refusal(self, strategy: Strategy) -> str | None:
+        if not self.expert_parallel:
+            return "the runtime has no expert parallelism"
+        if self.expert_parallel_refusal:
+            return self.expert_parallel_refusal
+        if strategy.tp > 1:
+            return "the runtime runs expert parallelism without tensor parallelism: use tp=1 with ep > 1"
+        if strategy.zero > 0:
+            return ("the runtime's expert parallelism reduces gradients in its own buckets (zero 0): use zero=0 "
+                    "with ep > 1")
         return None
 
 

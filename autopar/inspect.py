@@ -46,6 +46,7 @@ def summarize(graph: OpGraph, capture_seconds: float | None = None) -> dict[str,
             "model_states_total": memory.param_bytes + memory.grad_bytes + memory.optimizer_state_bytes,
             "saved_activations": sum(n.saved_bytes for n in graph.nodes),
         },
+        "moe_layers": [layer.model_dump() for layer in graph.moe_layers],
         "graph": {"forward_ops": forward_nodes, "backward_ops": len(graph.nodes) - forward_nodes},
         "torch_version": graph.torch_version,
     }
@@ -109,6 +110,17 @@ def render(summary: dict[str, Any]) -> str:
             f"{_count(lt['params_per_instance'])} params, {_flops(lt['forward_flops_per_instance'])} fwd, "
             f"{lt['ops_per_instance']} ops each)"
         )
+    moe = summary.get("moe_layers") or []
+    if moe:
+        first = moe[0]
+        factor = first["capacity_factor"]
+        capacity = "dropless" if factor is None and not first["autopar_dispatch"] else (
+            f"capacity factor {factor}" if factor is not None else "capacity = sequence (nothing dropped)")
+        lines.append("")
+        lines.append(f"mixture of experts: {len(moe)} layers ({first['class_name']}, first {first['module_path']}): "
+                     f"{first['experts']} experts, top {first['top_k']}, {capacity}; "
+                     f"{_count(sum(layer['expert_param_elements'] for layer in moe))} expert params; "
+                     f"{first['dispatch_rows_per_sample']:,} rows of {first['hidden']} per sequence per all-to-all")
     fit = summary.get("cluster_fit")
     if fit:
         lines.append("")

@@ -25,6 +25,12 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
     unsupported = plan_refusal(model, plan)  # a dtensor tp plan was dry-run: the module rules do not bind it
     if unsupported:
         return unsupported
+    if s.ep > 1:
+        from autopar.runtime.expert_parallel import expert_parallel_problem
+
+        problem = expert_parallel_problem(model, s.ep)
+        if problem:
+            return problem
     hints = model_hints(model)
     if hints["heads"] and hints["heads"] % s.tp:
         return f"tp={s.tp} does not divide the model's {hints['heads']} attention heads"

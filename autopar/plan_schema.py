@@ -123,9 +123,17 @@ class Strategy(_Record):
     # CPUOffloadPolicy, ZeRO-Offload's split); the device keeps the compute-precision weights and
     # gradients. Added with schema version 1's plans loading as "none".
     offload: Literal["none", "optimizer"] = "none"
+    # Expert parallelism: each MoE layer's experts sharded over groups of `ep` consecutive dp ranks
+    # (ep divides dp: the ranks are dp's, as Megatron-LM and DeepSpeed-MoE share them), tokens sent to
+    # their experts by all-to-all (`cost_models.experts`, `runtime.expert_parallel`). An expert
+    # parameter's dp placement is S(0): its experts split over its ep group (over all of dp when
+    # ep = dp; the dp/ep groups replicate them). Added with schema version 1's plans loading as 1.
+    ep: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> Strategy:
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} shares dp's ranks: it must divide dp={self.dp}")
         if self.recompute_layers is not None:
             if self.recompute == "none":
                 raise ValueError("recompute_layers needs recompute 'selective' or 'full', not 'none'")

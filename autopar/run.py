@@ -132,6 +132,9 @@ def _run(args: RunConfig, env: Environment) -> int:
     if args.dry_run:
         print_dry_run(plan, spec.name, env, batch, precision)
         return 0
+    if plan.strategy.ep > 1 and args.checkpoint_dir is not None:  # expert slices have no resharding yet
+        raise AutoparError(f"checkpoints of expert-parallel runs (ep={plan.strategy.ep}) are not implemented yet: drop "
+                           f"--checkpoint-dir, or plan with ep=1")
     if plan.provenance.world_size != env.world_size:  # before any process group: one line, no hang
         want, have = plan.provenance.world_size, env.world_size
         running = "this is one process" if have == 1 else f"{have} are running"

@@ -84,6 +84,8 @@ def strategy_text(s) -> str:
         text += f" schedule={s.schedule}" + (f" vp={s.vp}" if s.vp > 1 else "")
     if s.offload != "none":
         text += f" offload={s.offload}"
+    if s.ep > 1:
+        text += f" ep={s.ep}"
     return text
 
 

@@ -25,6 +25,8 @@ CASES = [
     ("gpt-1t", "gpt", "layers=128,hidden=25600,heads=160,vocab=51200,seq_len=2048", "dgx-a100-80gb", 3072, 3072, 2048),
     # nothing fits one GPU without optimizer offload (issue #20): the search runs twice
     ("gpt3-13b-1", "gpt3-13b", None, "dgx-h100", 1, 8, 2048),
+    # a mixture of experts (issue #20): expert parallelism is searched with dp, pp and recompute
+    ("mixtral-8x7b", "mixtral-8x7b", None, "dgx-h100", 64, 512, 4096),
 ]
 
 
@@ -51,7 +53,8 @@ def main() -> None:
         plan = (f"dp={s.dp} tp={s.tp} pp={s.pp} mb={s.microbatch} {s.schedule}"
                 + (f" v={s.vp}" if s.vp > 1 else "") + f" zero={s.zero} rc={s.recompute}"
             + ("" if s.recompute_layers is None else "[" + "/".join(map(str, s.recompute_layers)) + "]")
-            + f" sp={s.sp}" + (f" offload={s.offload}" if s.offload != "none" else "") + ": "
+            + f" sp={s.sp}" + (f" offload={s.offload}" if s.offload != "none" else "")
+            + (f" ep={s.ep}" if s.ep > 1 else "") + ": "
                 f"{chosen.evaluation.step_time_s:.2f} s/step, MFU {chosen.evaluation.mfu:.1%}"
                 + ("" if chosen.evaluation.fits else " (does not fit)"))
         print(f"{label:<11} {f'{gpus} × {cluster.gpu.name}':<22} {captured:>9.1f} {result.search_s:>8.1f} "

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from autopar.graph.ir import OpGraph, OpNode
 from autopar.plan_schema import Strategy
+from autopar.cost_models.experts import ExpertLayer, all_to_all_axis, unit_all_to_alls, unit_expert_params
 from autopar.cost_models.facts import OpFacts, Unit
 from autopar.cost_models.recompute import stage_policies
 
@@ -56,6 +57,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                      seq_len: int, vocab: int | None = None, clip_grad_norm: bool = True,
                      recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
                      tp_step: Sequence[tuple[str, float]] = (), selective_repeats: bool = False,
+                     experts: Sequence[ExpertLayer] = (),
                      ) -> dict[tuple[str, str], tuple[int, float]]:
     """{(axis, kind): (calls, bytes)} one step sends on pipeline rank `pp_rank`.
 
@@ -66,6 +68,8 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
     collectives sent once per step after the last backward (a dry run's gradient synchronization).
     `selective_repeats`: `recompute_repeats` are resent under selective recompute too (a dry run saw
     selective recompute repeat collectives DTensor issues inside an op, which it cannot save).
+    `experts`: the model's MoE layers; under ep > 1 their all-to-alls (`cost_models.experts`) and the
+    expert gradients' sum over their dp/ep replicas ("edp") replace the experts' share of dp's.
     """
     s = strategy
     tied = tied_across_ranks(stages, s.pp, s.tp)[pp_rank]
@@ -103,6 +107,10 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
             if index == last and vocab:
                 for kind, size, times in vocab_parallel_head_collectives(s, precision, seq_len, vocab):
                     add("tp", kind, size, m * times)
+        if s.ep > 1:
+            for unit, policy in zip(units, stage_policies(units, s, index)):
+                for _, size, per_pass in unit_all_to_alls(experts, unit.name, b, policy):
+                    add(all_to_all_axis(s), "all_to_all", size, m * per_pass)
         if s.pp > 1:
             shard = s.tp if s.sp else 1
             if index > 0 and units:
@@ -125,9 +133,12 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                     add("dp", "reduce_scatter", unit_grads * GRADIENT_REDUCE_BYTES, scatters)
     if s.dp > 1 and s.zero == 0:
         rank_params = sum(u.trainable_on_device(s.tp) for i in mine for u in stages[i]) + sum(n for _, n in tied["copies"])
-        grad_bytes = rank_params * GRADIENT_REDUCE_BYTES
-        add("dp", "all_reduce", grad_bytes / max(1, math.ceil(grad_bytes / BUCKET_BYTES)),
-            max(1, math.ceil(grad_bytes / BUCKET_BYTES)))
+        rank_experts = sum(unit_expert_params(experts, u.name) for i in mine for u in stages[i]) if s.ep > 1 else 0
+        for axis, elements in (("dp", rank_params - rank_experts), ("edp", rank_experts / s.ep if s.dp > s.ep else 0)):
+            grad_bytes = elements * GRADIENT_REDUCE_BYTES
+            if grad_bytes:
+                buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+                add(axis, "all_reduce", grad_bytes / buckets, buckets)
     for size, times in sequence_parallel_gradient_reductions([u for i in mine for u in stages[i]], s):
         add("tp", "all_reduce", size, times)
     if s.tp > 1:

@@ -26,6 +26,7 @@ from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_par
                                              tied_across_ranks)
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
+from autopar.cost_models.experts import dispatch_buffer_bytes, replica_layout
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.implementation import as_run
 from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, device_memory,
@@ -139,7 +140,7 @@ def evaluate(
         rank_params[rank] += sum(elements for _, elements in tied["copies"])  # a tied head's copy of the embedding
     pipe = run_pipeline(pricing, prices, stages_units, exact)
     tails = rank_tails(pricing, prices, stages_units, rank_params, tied_ranks, overlap_grad_sync and s.dp_overlap)
-    memory = rank_memory(pricing, prices, pipe, rank_params)
+    memory = rank_memory(pricing, prices, pipe, rank_params, stages_units)
     return summarize(pricing, global_batch, prices, pipe, tails, memory)
 
 
@@ -178,7 +179,8 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
     tied_layout = group_layout(2, s.dp * s.tp * max(s.pp - 1, 1), cluster.gpus_per_node)
     tails = []
     for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages))):
-        grad_bytes = rank_params[rank] * GRADIENT_REDUCE_BYTES
+        experts = prices.rank_expert_params[rank] if prices.rank_expert_params else 0.0
+        grad_bytes = (rank_params[rank] - experts) * GRADIENT_REDUCE_BYTES  # experts: over their replicas below
         exposed = 0.0
         if s.dp > 1 and s.zero < 3:
             reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce", grad_bytes, dp_layout, cluster)
@@ -189,6 +191,12 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
                 gather = collective_time_s("all_gather", rank_params[rank] * per.weight, dp_layout, cluster)
                 first_forward = sum(prices.stages[i].forward_s for i in stage_indices)
                 exposed += max(gather - first_forward, gather / buckets) if overlap_grad_sync else gather
+        if experts and s.dp > s.ep:  # expert gradients summed over the dp/ep ranks holding the same experts
+            replicas = replica_layout(s, cluster.gpus_per_node)
+            reduce = collective_time_s("all_reduce", experts * GRADIENT_REDUCE_BYTES, replicas, cluster)
+            window = sum(prices.stages[i].backward_s for i in stage_indices)
+            buckets = max(1, math.ceil(experts * GRADIENT_REDUCE_BYTES / DDP_BUCKET_BYTES))
+            exposed += max(reduce - window, reduce / buckets) if overlap_grad_sync else reduce
         rank_units = [u for i in stage_indices for u in stages_units[i]]
         exposed += sum(calls * collective_time_s("all_reduce", size, tp_layout, cluster)
                        for size, calls in sequence_parallel_gradient_reductions(rank_units, s))
@@ -213,9 +221,9 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
 
 
 def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
-                rank_params: list[float]) -> tuple[MemoryBreakdown, ...]:
-    """Each pipeline rank's peak: model states, the micro-batches it holds at its peak, and what
-    recompute rebuilds for the layer being differentiated."""
+                rank_params: list[float], stages_units: list[list[Unit]]) -> tuple[MemoryBreakdown, ...]:
+    """Each pipeline rank's peak: model states, the micro-batches it holds at its peak, what
+    recompute rebuilds for the layer being differentiated, and under ep the all-to-all buffers."""
     s = pricing.strategy
     return tuple(
         device_memory(
@@ -224,6 +232,9 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             activation_bytes=pipe.peak_in_flight[rank]
             + max(prices.stages[i].transient_bytes for i in stage_indices),
             optimizer_state=s.optimizer_state, offload=s.offload,
+            dispatch_bytes=dispatch_buffer_bytes(pricing.facts.experts, [u.name for i in stage_indices
+                                                                          for u in stages_units[i]], s.microbatch)
+            if s.ep > 1 else 0.0,
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )
@@ -255,6 +266,8 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
         "bubble": max(pipe.rank_end_s[critical] - pipe.rank_busy_s[critical], 0.0),
         "optimizer": tails[critical].optimizer_s,
     }
+    if s.ep > 1:  # the MoE all-to-alls, exposed inside the passes
+        breakdown["expert_all_to_all"] = m * sum(prices.ep_comm_s[i] for i in critical_stages)
     host_bytes = host_capacity = 0.0
     if s.offload == "optimizer":  # the step on the CPU, and the PCIe copies it waits for
         breakdown.update(optimizer=0.0, offload_transfer=tails[critical].offload_transfer_s,

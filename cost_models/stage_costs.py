@@ -18,6 +18,7 @@ from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_r
                                              vocab_parallel_head_collectives)
 from autopar.cost_models.communication import GroupLayout, collective_time_s
 from autopar.cost_models.compute import Efficiency, UnitTime, unit_time
+from autopar.cost_models.experts import all_to_all_time_s, unit_all_to_alls, unit_expert_params
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.memory import state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
@@ -82,6 +83,9 @@ class StagePrices:
     tp_comm_s: tuple[float, ...]  # tp and ZeRO-3 communication inside the passes
     rank_params: tuple[float, ...]  # per pipeline rank: parameters held (tp-local, tied copies included)
     rank_largest_unit_params: tuple[float, ...]
+    # ep > 1, per stage and micro-batch: the MoE all-to-alls (forward, backward, recompute), exposed
+    ep_comm_s: tuple[float, ...] = ()
+    rank_expert_params: tuple[float, ...] = ()  # per pipeline rank: its share of expert parameters (over ep)
 
 
 @dataclass(frozen=True)
@@ -217,9 +221,10 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
     """Each (virtual) stage's forward and backward pass for one micro-batch, and each rank's holdings."""
     s = pricing.strategy
     stage_costs: list[StageCost] = []
-    compute, recompute, tp_comm = [], [], []
+    compute, recompute, tp_comm, ep_comm = [], [], [], []
     rank_params = [0.0] * s.pp
     rank_largest = [0.0] * s.pp
+    rank_experts = [0.0] * s.pp
     for index, units in enumerate(stages_units):
         rank = index % s.pp
         policies = stage_policies(units, s, index)
@@ -229,21 +234,43 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
         forward_comm = sum(p.forward_comm_s for p in parts)
         backward_comm = sum(p.backward_comm_s for p in parts)
         recompute_extra = sum(p.recompute_s for p in parts)
-        for part in parts:
-            rank_params[rank] += part.params_on_device
-            rank_largest[rank] = max(rank_largest[rank], part.params_on_device)
+        ep_forward, ep_backward = _expert_all_to_alls_s(pricing, units, policies)
+        for unit, part in zip(units, parts):
+            # 3-D expert weights: the graph's tp sharding leaves them whole on each tp rank
+            experts = unit_expert_params(pricing.facts.experts, unit.name) if s.ep > 1 else 0.0
+            held = part.params_on_device - experts * (1 - 1 / s.ep)  # experts sharded over ep
+            rank_params[rank] += held
+            rank_experts[rank] += experts / s.ep
+            rank_largest[rank] = max(rank_largest[rank], held)
         if pricing.vocab and s.tp > 1 and index == len(stages_units) - 1:
             forward_comm += sum(times * pricing.tp_time_s(kind, size) for kind, size, times in
                                 vocab_parallel_head_collectives(s, pricing.facts.precision, pricing.facts.seq_len,
                                                                 pricing.vocab))
         zero3_forward, zero3_backward = _zero3_exposed_s(pricing, units, forward, backward)
         stage_costs.append(StageCost(
-            index, rank, tuple(u.name for u in units), forward + forward_comm + zero3_forward,
-            backward + backward_comm + recompute_extra + zero3_backward,
+            index, rank, tuple(u.name for u in units), forward + forward_comm + zero3_forward + ep_forward,
+            backward + backward_comm + recompute_extra + zero3_backward + ep_backward,
             sum(p.activation_bytes for p in parts), max((p.transient_bytes for p in parts), default=0.0),
             sum(policy != "none" for policy in policies)))
         compute.append(forward + backward)
         recompute.append(recompute_extra)
         tp_comm.append(forward_comm + backward_comm + zero3_forward + zero3_backward)
+        ep_comm.append(ep_forward + ep_backward)
     return StagePrices(tuple(stage_costs), tuple(compute), tuple(recompute), tuple(tp_comm), tuple(rank_params),
-                       tuple(rank_largest))
+                       tuple(rank_largest), tuple(ep_comm), tuple(rank_experts))
+
+
+def _expert_all_to_alls_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence[str]) -> tuple[float, float]:
+    """One micro-batch's MoE all-to-alls on a stage under ep > 1: (forward, backward with recompute's)."""
+    s = pricing.strategy
+    forward = backward = 0.0
+    if s.ep == 1:
+        return forward, backward
+    for unit, policy in zip(units, policies):
+        for phase, size, calls in unit_all_to_alls(pricing.facts.experts, unit.name, s.microbatch, policy):
+            seconds = calls * all_to_all_time_s(size, s, pricing.cluster)
+            if phase == "forward":
+                forward += seconds
+            else:
+                backward += seconds
+    return forward, backward

@@ -8,7 +8,7 @@ from autopar.errors import AutoparError
 from autopar.plan_schema import Strategy
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "schedule", "vp",
-                 "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "offload")
+                 "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "offload", "ep")
 _SWITCHES = ("sp", "dp_overlap", "tp_overlap")
 _RESERVED = {"cp": "context parallel (cp) is reserved for a later release: leave it out"}
 _CHOICES = {"recompute": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved"),
@@ -96,10 +96,16 @@ def even_stage_layers(layers: int, stages: int) -> list[int]:
 
 def check_strategy(
     strategy: Strategy, *, world_size: int, global_batch: int, layers: int,
-    heads: int | None = None, kv_heads: int | None = None,
+    heads: int | None = None, kv_heads: int | None = None, experts: int | None = None,
 ) -> None:
-    """Raise AutoparError naming the first rule the strategy breaks."""
+    """Raise AutoparError naming the first rule the strategy breaks. `experts`: the fewest experts of
+    the model's MoE layers (None: it has none)."""
     s = strategy
+    if s.ep > 1 and not experts:
+        raise AutoparError(f"ep={s.ep} shards mixture-of-experts layers, and this model has none: leave ep out")
+    if s.ep > 1 and experts % s.ep:
+        raise AutoparError(f"ep={s.ep} does not divide the {experts} experts of a MoE layer: choose ep dividing "
+                           f"{experts}")
     if s.dp * s.tp * s.pp != world_size:
         raise AutoparError(f"dp×tp×pp = {s.dp}×{s.tp}×{s.pp} = {s.dp * s.tp * s.pp} but the cluster has "
                            f"{world_size} GPUs: the product must equal the world size")
@@ -132,6 +138,10 @@ def check_strategy(
 
 def check_fixed_degrees(fixed: dict[str, Any], world_size: int) -> None:
     """Fixed dp/tp/pp degrees must multiply to (all three) or divide (some) the world size."""
+    ep = fixed.get("ep", 1)
+    if world_size % ep or ("dp" in fixed and fixed["dp"] % ep):
+        where = f"dp={fixed['dp']}" if "dp" in fixed and not world_size % ep else f"the world size {world_size}"
+        raise AutoparError(f"ep={ep} shares dp's ranks but does not divide {where}: choose ep dividing dp")
     degrees = {key: fixed[key] for key in ("dp", "tp", "pp") if key in fixed}
     product = 1
     for value in degrees.values():

@@ -126,6 +126,8 @@ def group_axes(parallel) -> dict[frozenset[int], str]:
     ledger merges "world" into it the same way, `cost_models.collectives.merge_world`).
     """
     axes = {frozenset(range(dist.get_world_size())): "world"}
+    if parallel.expert_groups is not None:  # ep groups and expert replicas (none when ep = dp: dp's own)
+        axes.update(parallel.expert_groups.axes)
     for _, group, _ in parallel.tied_groups:  # tied embedding and head: a sum across pipeline ranks
         axes[frozenset(dist.get_process_group_ranks(group))] = "pp"
     for axis in ("pp", "dp", "tp"):

@@ -87,13 +87,15 @@ class InitSource:
 
 
 def materialize(module: nn.Module, source: InitSource, device: torch.device,
-                parameter_device: torch.device | None = None) -> None:
+                parameter_device: torch.device | None = None,
+                row_slices: dict[str, tuple[int, int]] | None = None) -> None:
     """Give every parameter and buffer of `module` (sharded or not) its local values on `device`.
 
     `module` may be a pipeline stage of `source.reference` with DTensor parameters; names are
     looked up in the reference, so stages and shards agree with the unsharded model.
     `parameter_device`: where parameters live when not on `device` (the host, under FSDP2's CPU
-    offload); buffers stay on `device`, where the forward reads them.
+    offload); buffers stay on `device`, where the forward reads them. `row_slices`: plain tensors
+    holding rows [start, stop) of the full one, by name (expert parallelism's experts).
     """
     if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
         tied = _alias_groups(module)
@@ -115,6 +117,9 @@ def materialize(module: nn.Module, source: InitSource, device: torch.device,
             if canonical not in source.owner:
                 raise AutoparError(f"parameter {name!r} is not in the model the plan was made for: re-run `autopar plan`")
             full = source.full_value(canonical)
+            if row_slices and _strip_wrappers(name) in row_slices:
+                start, stop = row_slices[_strip_wrappers(name)]
+                full = full[start:stop]
             if isinstance(tensor, DTensor):
                 local = distribute_tensor(full.to(tensor.dtype), tensor.device_mesh, tensor.placements,
                                           src_data_rank=None).to_local()

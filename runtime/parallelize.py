@@ -2,7 +2,8 @@
 
 Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel (module
 rules, or DTensor through the model's forward, as the plan's `tp_realization` says) → recompute →
-FSDP/ZeRO → materialize local shards → schedule → dp gradient buckets (zero 0). Tensor parallelism comes before FSDP
+FSDP/ZeRO → expert parallel (each rank's experts kept, all-to-alls around them) → materialize local
+shards → schedule → dp gradient buckets (zero 0; expert gradients over their replicas). Tensor parallelism comes before FSDP
 so FSDP shards the DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside
 the checkpointed forward; materialization last, so every rank only ever allocates its shards.
 """
@@ -27,6 +28,8 @@ from autopar.plan_schema import Plan
 from autopar.runtime.compile import compile_blocks
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter_device, set_microbatch_boundary
 from autopar.runtime.dtensor_tp import step_context as dtensor_step_context
+from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel, build_expert_groups,
+                                             expert_parallel_problem, gather_experts)
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.pipeline import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
@@ -51,6 +54,9 @@ class ParallelModel:
     canonical: dict[str, str] = field(default_factory=dict)  # alias of a tied weight -> its first name
     gradient_buckets: GradientBuckets | None = None  # zero 0 over dp > 1: the sync overlapped with backward
     step_context: Callable = contextlib.nullcontext  # entered around each micro-batch's forward and backward
+    expert_groups: ExpertGroups | None = None  # ep > 1
+    expert_params: frozenset[str] = frozenset()  # names of this rank's expert slices (ep > 1)
+    expert_buckets: GradientBuckets | None = None  # ep < dp: expert gradients summed over their replicas
 
     @property
     def strategy(self):
@@ -117,6 +123,13 @@ class ParallelModel:
         if self.gradient_buckets is not None:
             self.gradient_buckets.finish()
         named = self.named_parameters()
+        if self.expert_buckets is not None:
+            self.expert_buckets.finish()
+        elif self.expert_params:  # ep = dp: each expert's gradient holds every dp rank's share already
+            s = self.strategy
+            for name in self.expert_params:  # a pipeline schedule left the micro-batches' sum unscaled
+                if named[name].grad is not None:
+                    named[name].grad.div_(self.layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
         _sum_partial_gradients(list(named.values()))
         for param in named.values():
             _match_gradient_placements(param)
@@ -140,6 +153,8 @@ class ParallelModel:
                 local = grad.to_local()
             else:
                 copies, local = self._stage_size(), grad
+                if name in self.expert_params:  # replicated over the dp/ep groups only
+                    copies //= self.expert_groups.ep
             copies *= tied.get(name, 1)
             squares += local.float().pow(2).sum().to(squares.device) / copies  # on the host under offload
         dist.all_reduce(squares)
@@ -187,13 +202,20 @@ class ParallelModel:
                 for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
                     dim = getattr(placement, "dim", None)
                     parts[axis] = "R" if placement.is_replicate() else ("P" if dim is None else f"S({dim})")
+            if name in self.expert_params:  # experts split over the ep group (Strategy.ep)
+                parts["dp"] = "S(0)"
             result[self.canonical.get(name, name)] = parts["dp"] + parts["tp"]
         return result
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stage parameters gathered to full tensors under their canonical names (a
         collective over the stage mesh)."""
-        return {self.canonical.get(name, name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+        def full(name: str, p: torch.Tensor) -> torch.Tensor:
+            if name in self.expert_params:
+                return gather_experts(p, self.expert_groups)
+            return p.full_tensor() if isinstance(p, DTensor) else p
+
+        return {self.canonical.get(name, name): full(name, p).detach().cpu().clone()
                 for name, p in self.named_parameters().items()}
 
 
@@ -261,7 +283,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
             f"({plan.provenance.model_name}), this model is {fingerprint}: re-run `autopar plan` for this model"
         )
     s = plan.strategy
-    unsupported = plan_refusal(model, plan)
+    unsupported = plan_refusal(model, plan) or (expert_parallel_problem(model, s.ep) if s.ep > 1 else None)
     if unsupported:
         raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
     cut = None
@@ -277,6 +299,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
 
     stage_units = {stage.index: stage.units for stage in plan.stages}
     modules: list[nn.Module] = []
+    groups: ExpertGroups | None = None
+    expert_names: list[str] = []
     shared: dict = {}  # this rank's stages share the copies of what they share (a tied weight)
     for index in layout.stage_indices:
         # 2. pipeline stage: the modules of this stage only (the whole model when pp=1)
@@ -291,9 +315,14 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 5. ZeRO: FSDP2 units per block over the dp axis (their shards on the host under offload)
         if s.zero >= 1:
             apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision), s.offload)
-        # 6. materialize this rank's shards with the sharding-independent init
-        materialize(module, source, layout.device, parameter_device(layout.device, s.offload))
-        if compile:  # 6b. compile each block's forward, inside every wrapper above (runtime/compile.py)
+        expert_rows = {}
+        if s.ep > 1:  # 6. this rank's experts, tokens routed to their owners by all-to-all
+            groups = groups or build_expert_groups(layout, s.ep)
+            expert_rows = apply_expert_parallel(module, groups)
+            expert_names += list(expert_rows)
+        # 7. materialize this rank's shards (and experts) with the sharding-independent init
+        materialize(module, source, layout.device, parameter_device(layout.device, s.offload), expert_rows)
+        if compile:  # 7b. compile each block's forward, inside every wrapper above (runtime/compile.py)
             compile_blocks(module, blocks)
         modules.append(module)
 
@@ -305,16 +334,24 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
                              vocab_parallel_loss=vocab_parallel or dtensor,
                              step_context=dtensor_step_context if dtensor else contextlib.nullcontext)
     parallel.canonical = dict(source.alias)
+    parallel.expert_groups, parallel.expert_params = groups, frozenset(expert_names)
     buckets = s.zero == 0 and layout.size("dp") > 1
-    if cut is not None:  # 7. the pipeline schedule over this rank's stages
+    if cut is not None:  # 8. the pipeline schedule over this rank's stages
         parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters())
         parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
                                            layout.group("pp"), s.schedule, s.num_microbatches, loss_fn,
                                            scale_grads=not buckets)
-    if buckets:  # 8. dp sync in buckets, overlapped with the last backward (they average over micro-batches too)
+    if buckets:  # 9. dp sync in buckets, overlapped with the last backward (they average over micro-batches too)
+        named = parallel.named_parameters()
+        experts = {id(named[name]) for name in parallel.expert_params}
         parallel.gradient_buckets = GradientBuckets(
-            parallel.parameters(), layout.group("dp"), accumulations=s.num_microbatches,
-            divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
+            [p for p in parallel.parameters() if id(p) not in experts], layout.group("dp"),
+            accumulations=s.num_microbatches, divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
+        if groups is not None and groups.replica_group is not None:
+            parallel.expert_buckets = GradientBuckets(
+                [p for p in parallel.parameters() if id(p) in experts], groups.replica_group,
+                accumulations=s.num_microbatches,
+                divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
     return parallel
 
 

@@ -25,6 +25,7 @@ _SAVED_OPS = {
     # Tensor-parallel collectives: recomputing one would resend it (selective recompute repeats compute only).
     torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.wait_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,  # expert parallelism's dispatch and combine
 }
 
 

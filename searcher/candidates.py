@@ -19,6 +19,7 @@ from autopar.errors import AutoparError
 from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.evaluate import Evaluation, evaluate, partition, with_fewest_recomputed_layers
+from autopar.cost_models.experts import fewest_experts
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.implementation import RUNTIME_PROFILE, as_run, profile_of
@@ -41,9 +42,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> Iterator[Strategy]:
+def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
+                experts: int | None = None) -> Iterator[Strategy]:
     """Every strategy with the fixed keys; the implementation profile is the fixed one or the
-    runtime's (never enumerated: the searcher chooses only what the runtime runs)."""
+    runtime's (never enumerated: the searcher chooses only what the runtime runs). `experts`: the
+    fewest experts of the model's MoE layers; ep is enumerated over the divisors of dp that divide
+    it (1 only for a model without MoE layers)."""
     def choices(key: str, options) -> list:
         return [fixed[key]] if key in fixed else list(options)
 
@@ -69,7 +73,10 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
             if zero > 0 and dp == 1 and "zero" not in fixed and offload == "none":
                 continue  # nothing to shard over (offload needs FSDP2, at any dp)
             vps = choices("vp", VP_CHOICES if schedule == "interleaved" else (1,))
-            for vp in vps:
+            eps = choices("ep", [d for d in _divisors(dp) if experts and experts % d == 0] or [1])
+            for vp, ep in product(vps, eps):
+                if dp % ep:
+                    continue
                 counts = fixed.get("recompute_layers")
                 if isinstance(counts, int):  # the same count on every stage
                     counts = (counts,) * (pp * vp)
@@ -78,7 +85,7 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int) -> It
                 try:
                     yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
                                    num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
-                                   recompute_layers=counts, offload=offload, **profile)
+                                   recompute_layers=counts, offload=offload, ep=ep, **profile)
                 except ValueError:
                     continue
 
@@ -102,13 +109,14 @@ def quick_evaluations(
     rejected: dict[str, int] = {}
     quick: list[Evaluation] = []
     count = 0
-    for strategy in completions(fixed, cluster.world_size, global_batch):
+    experts = fewest_experts(facts.experts)
+    for strategy in completions(fixed, cluster.world_size, global_batch, experts):
         count += 1
         reason = supports(strategy.model_copy(update=RUNTIME_PROFILE)) if supports is not None else None
         if reason is None:
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
-                               heads=facts.heads, kv_heads=facts.kv_heads)
+                               heads=facts.heads, kv_heads=facts.kv_heads, experts=experts)
             except AutoparError as error:
                 reason = str(error)
         if reason is not None:

@@ -30,6 +30,10 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
     dp_part = "S(0)" if s.zero >= 1 and s.dp > 1 else "R"
     tp_placements = planned_tp_placements(candidate.param_placements, graph, facts, s.tp)
     param_placements = {name: dp_part + tp_part for name, tp_part in tp_placements.items()}
+    if s.ep > 1:  # each expert parameter's experts split over its ep group (Strategy.ep)
+        expert_params = {name for layer in graph.moe_layers for name in layer.expert_params}
+        param_placements.update({name: "S(0)" + text[len(dp_part):] for name, text in param_placements.items()
+                                 if name in expert_params})
     recompute = recomputed_units(candidate.stages, s)
     return Plan(
         mesh=[MeshAxis(name="pp", size=s.pp), MeshAxis(name="dp", size=s.dp), MeshAxis(name="tp", size=s.tp)],
@@ -110,7 +114,8 @@ def _predicted_collectives(candidate: Candidate, graph: OpGraph, facts: ModelFac
     result = []
     for rank in range(s.pp):
         ledger = step_collectives(stages, s, facts.precision, rank, seq_len=facts.seq_len, vocab=vocab,
-                                  recompute_repeats=repeats, tp_step=tp_step, selective_repeats=selective)
+                                  recompute_repeats=repeats, tp_step=tp_step, selective_repeats=selective,
+                                  experts=facts.experts)
         result.append([CollectiveRecord(axis=axis, kind=kind, calls=calls, bytes=round(size))
                        for (axis, kind), (calls, size) in ledger.items()])
     return result

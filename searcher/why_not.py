@@ -1,7 +1,7 @@
 """Why not the obvious alternatives: each row names a strategy a user might expect and why it loses, in numbers.
 
 Rows: the runners-up, then the best member of each obvious family (pure data parallel, tensor
-parallel inside a node only, no pipeline), priced exactly as `refine` prices Megatron's layout and
+parallel inside a node only, no pipeline, and for a MoE model expert parallel), priced exactly as `refine` prices Megatron's layout and
 set against the chosen plan (the closest one when nothing fits). A row says how much slower it is
 per token and which part of the step grew most, or which memory part overflows. A family with no
 valid member among the ranked completions is priced on its own: without the keys of `--strategy`
@@ -21,6 +21,7 @@ from typing import Any, Callable
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
 from autopar.plan_schema import Strategy
+from autopar.cost_models.experts import fewest_experts
 from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.compute import Efficiency
 from autopar.cost_models.evaluate import Evaluation, evaluate
@@ -61,6 +62,10 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
     families = {"pure data parallel": {"tp": 1, "pp": 1},
                 f"tensor parallel only (tp={tp_node})": {"tp": tp_node, "pp": 1},
                 "no pipeline (pp=1)": {"pp": 1}}
+    experts = fewest_experts(facts.experts)
+    ep = max((d for d in range(2, world + 1) if world % d == 0 and experts and experts % d == 0), default=None)
+    if ep is not None:  # a MoE model: its experts over as many ranks as they split into
+        families[f"expert parallel (ep={ep})"] = {"ep": ep}
     for label, degrees in families.items():
         members = [e for e in quick if all(getattr(e.strategy, k) == v for k, v in degrees.items())]
         without = rule = ""
@@ -139,13 +144,13 @@ def _commonest_rule(keys: dict[str, Any], facts: ModelFacts, cluster: ClusterSpe
     """The rule most completions of `keys` break at `batch` (the search's own checks, in its words)."""
     broken: dict[str, int] = {}
     dp = None
-    for strategy in completions(keys, cluster.world_size, batch):
+    for strategy in completions(keys, cluster.world_size, batch, fewest_experts(facts.experts)):
         dp = strategy.dp
         reason = supports(strategy) if supports is not None else None
         if reason is None:
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=batch, layers=layers,
-                               heads=facts.heads, kv_heads=facts.kv_heads)
+                               heads=facts.heads, kv_heads=facts.kv_heads, experts=fewest_experts(facts.experts))
             except AutoparError as error:
                 reason = str(error)
         if reason is not None:

@@ -200,13 +200,14 @@ def test_plan_json_contract(capsys):
                                   "recompute_layers": None, "microbatch": 1, "num_microbatches": 8, "schedule": "1f1b", "vp": 1,
                                   # the implementation profile (issue #18): the autopar runtime's by default
                                   "attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
-                                  "optimizer_state": "fp32", "offload": "none"}
+                                  "optimizer_state": "fp32", "offload": "none", "ep": 1}
     assert result["fits"] is True
     predicted = result["predicted"]
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes"):
         assert predicted[key] > 0
     assert set(predicted["breakdown"]) == {"compute", "exposed_communication", "bubble", "recompute", "optimizer",
-                                           "offload_transfer", "cpu_optimizer"}
+                                           "offload_transfer", "cpu_optimizer", "expert_all_to_all"}
+    assert predicted["breakdown"]["expert_all_to_all"] == 0  # ep=1
     assert predicted["breakdown"]["offload_transfer"] == predicted["breakdown"]["cpu_optimizer"] == 0  # offload=none
     assert predicted["tokens_per_s"] == pytest.approx(16 * 32 / predicted["step_time_s"])
 

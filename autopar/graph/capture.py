@@ -34,6 +34,7 @@ from autopar.errors import CaptureError
 from autopar.graph import flops as work
 from autopar.graph.ir import OpGraph, OpNode, ParamInfo, StepMemory, TensorMeta
 from autopar.graph.layers import detect_layer_types
+from autopar.graph.moe import find_moe_layers
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -122,18 +123,20 @@ def trace(
     )
     nodes = _convert(graph_module.graph, placeholder_names, tags.module_for_seq)
     layer_types = detect_layer_types(model, nodes)
+    seq = seq_len if seq_len is not None else _seq_of(meta_args, meta_kwargs)
     return OpGraph(
         model_name=name,
         model_fingerprint=model_fingerprint(model),
         precision=precision,
         batch=_batch_of(meta_args, meta_kwargs),
-        seq_len=seq_len if seq_len is not None else _seq_of(meta_args, meta_kwargs),
+        seq_len=seq,
         inputs=[_meta(t) for t in flat_inputs[len(param_names) + len(buffer_names):]],
         nodes=nodes,
         params=infos,
         layer_types=layer_types,
         step_memory=_step_memory(params, dtype),
         torch_version=torch.__version__,
+        moe_layers=find_moe_layers(model, seq),
     )
 
 

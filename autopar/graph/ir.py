@@ -11,6 +11,8 @@ from typing import Literal
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field
 
+from autopar.graph.moe import MoELayer
+
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
@@ -100,6 +102,7 @@ class OpGraph(BaseModel):
     layer_types: list[LayerType]
     step_memory: StepMemory
     torch_version: str
+    moe_layers: list[MoELayer] = Field(default_factory=list)  # mixture-of-experts layers (`autopar.graph.moe`)
 
     # --- totals -------------------------------------------------------------------------------
     @property

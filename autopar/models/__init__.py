@@ -24,6 +24,10 @@ from autopar.models.llama import Llama
 # Published shapes. GPT-2: Radford et al. 2019, Table 2 (vocab 50,257, context 1,024).
 # GPT-3: Brown et al. 2020, Table 2.1 (context 2,048); head counts follow Megatron-LM's configs
 # where the paper's d_head x n_heads does not equal d_model (1.3B: 16 heads of 128).
+# Mixtral 8x7B: Jiang et al. 2024 ("Mixtral of Experts"), Table 1 (dim 4096, 32 layers, 32 heads of
+# 128, 8 kv heads, hidden 14336, vocab 32,000, context 32,768, 8 experts, top 2, rope theta 1e6). Mixtral
+# routes dropless; the zoo's MoE pads each expert's queue, here to a capacity factor of 1.25 (Switch
+# Transformer's, Fedus et al. 2022, Table 1), so its all-to-alls and expert GEMMs move 1.25x the tokens.
 # Llama 3: Llama Team 2024 ("The Llama 3 Herd of Models"), Table 3 (vocab 128,256, rope theta 500,000).
 _GPT2 = dict(family="gpt", vocab=50257, seq_len=1024)
 _GPT3 = dict(family="gpt", vocab=50257, seq_len=2048)
@@ -42,6 +46,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(_LLAMA3, layers=32, hidden=4096, heads=32, ffn_hidden=14336),
     "llama3-70b": dict(_LLAMA3, layers=80, hidden=8192, heads=64, ffn_hidden=28672),
     "llama3-405b": dict(_LLAMA3, layers=126, hidden=16384, heads=128, ffn_hidden=53248),
+    "mixtral-8x7b": dict(family="llama", vocab=32000, seq_len=32768, layers=32, hidden=4096, heads=32, kv_heads=8,
+                         ffn_hidden=14336, rope_theta=1e6, moe_experts=8, moe_top_k=2, moe_capacity_factor=1.25),
 }
 
 FAMILIES: dict[str, type[nn.Module]] = {"gpt": GPT, "llama": Llama}

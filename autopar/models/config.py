@@ -27,11 +27,17 @@ class TransformerConfig(BaseModel):
     tie_embeddings: bool | None = None  # None: tied for gpt, untied for llama
     dropout: float = 0.0
     init_std: float = 0.02
+    # Mixture of experts (`autopar.models.moe`): every block's MLP becomes `moe_experts` experts with
+    # a top-`moe_top_k` router; `moe_capacity_factor` pads each expert's queue per sequence (None:
+    # to the sequence length, nothing dropped).
+    moe_experts: int | None = None
+    moe_top_k: int = 2
+    moe_capacity_factor: float | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "TransformerConfig":
         for name in ("layers", "hidden", "heads", "vocab", "seq_len", "kv_heads", "ffn_hidden", "norm_eps",
-                     "rope_theta", "init_std"):
+                     "rope_theta", "init_std", "moe_experts"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.dropout < 1:
@@ -40,6 +46,10 @@ class TransformerConfig(BaseModel):
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.num_kv_heads:
             raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.num_kv_heads})")
+        if self.moe_experts is not None and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k ({self.moe_top_k}) must be between 1 and moe_experts ({self.moe_experts})")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ValueError(f"moe_capacity_factor must be positive, got {self.moe_capacity_factor}")
         if self.family == "llama" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}")
         return self

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.config import TransformerConfig
+from autopar.models.moe import MoE
 
 
 class CausalSelfAttention(nn.Module):
@@ -72,7 +73,7 @@ class GPTBlock(nn.Module):
         self.ln1 = nn.LayerNorm(config.hidden, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.hidden, eps=config.norm_eps)
-        self.mlp = GeluMLP(config)
+        self.mlp = MoE(config) if config.moe_experts else GeluMLP(config)
         self.dropout = residual_dropout(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.config import TransformerConfig
+from autopar.models.moe import MoE
 from autopar.models.gpt import CausalSelfAttention, init_module_weights, init_transformer_weights
 
 
@@ -41,7 +42,7 @@ class LlamaBlock(nn.Module):
         self.attn_norm = RMSNorm(config.hidden, config.norm_eps)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = RMSNorm(config.hidden, config.norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = MoE(config) if config.moe_experts else SwiGLU(config)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)

@@ -23,7 +23,7 @@ from autopar.report.views import (GiB, checkpoint_lines, compact_units, counts_t
                                   obvious_rows, offload_text, rank_rows, recompute_text, runner_up_reasons)
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "num_microbatches",
-                 "schedule", "vp")
+                 "schedule", "vp", "ep")
 MEASURED_START, MEASURED_END = "<!-- measured:start -->", "<!-- measured:end -->"
 SECTION_IDS = ("summary", "mesh", "stages", "timeline", "memory", "breakdown", "alternatives", "sharding")
 

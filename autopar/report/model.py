@@ -72,10 +72,14 @@ class Breakdown(_Part):
     # offload=optimizer: the PCIe copies not hidden behind the passes, and the CPU's Adam step
     offload_transfer: float = 0.0
     cpu_optimizer: float = 0.0
+    # ep > 1: the MoE dispatch and combine all-to-alls, exposed inside the passes
+    expert_all_to_all: float = 0.0
 
     def parts(self) -> list[tuple[str, float]]:
         offloaded = self.offload_transfer or self.cpu_optimizer
-        return [(part, getattr(self, part)) for part in BREAKDOWN_PARTS + (OFFLOAD_PARTS if offloaded else ())]
+        experts = ("expert_all_to_all",) if self.expert_all_to_all else ()
+        return [(part, getattr(self, part)) for part in BREAKDOWN_PARTS + experts
+                + (OFFLOAD_PARTS if offloaded else ())]
 
     @property
     def total_s(self) -> float:

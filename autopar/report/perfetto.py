@@ -47,13 +47,15 @@ def trace_events(report: Report) -> dict[str, Any]:
         events.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": round(start_us, 3),
                        "dur": round(dur_us, 3), "args": args})
 
+    included = "tensor-parallel collectives" + (f" and the MoE dispatch/combine all-to-alls (ep={s.ep})"
+                                                 if s.ep > 1 else "")
     for x in timeline(report):
         start_us, end_us = x.start_s * US_PER_S, x.end_s * US_PER_S
         rank_end_us[x.rank] = max(rank_end_us[x.rank], end_us)
         forward = x.kind == "F"
         complete(f"{'forward' if forward else 'backward'} mb{x.microbatch} stage{x.stage}",
                  "forward" if forward else "backward", x.rank, COMPUTE_TID, start_us, end_us - start_us,
-                 microbatch=x.microbatch, virtual_stage=x.stage, includes="tensor-parallel collectives")
+                 microbatch=x.microbatch, virtual_stage=x.stage, includes=included)
         target = x.stage + 1 if forward else x.stage - 1
         if pp > 1 and p2p_us > 0 and 0 <= target < stages:
             tid = _lane(lanes, x.rank, SEND_TID, end_us, end_us + p2p_us)

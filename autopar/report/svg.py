@@ -21,7 +21,7 @@ MEMORY_COLOURS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_st
                   "activations": "#59a14f", "buffers": "#b07aa1", "margin": "#bab0ac"}
 BREAKDOWN_COLOURS = {"compute": "#4e79a7", "recompute": "#edc948", "exposed_communication": "#e15759",
                      "bubble": "#bab0ac", "optimizer": "#b07aa1", "offload_transfer": "#f28e2b",
-                     "cpu_optimizer": "#76b7b2"}
+                     "cpu_optimizer": "#76b7b2", "expert_all_to_all": "#ff9da7"}
 DETAIL_NODES = 2  # nodes drawn GPU by GPU; the rest are cells in the grid
 RECT_LIMIT = 800  # passes drawn as separate rectangles (with tooltips) up to this many
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from autopar.cost_models.strategy import STRATEGY_KEYS
 from autopar.report.model import Report
 from autopar.report.views import (GiB, checkpoint_lines, compact_units, mfu_label, mfu_text, obvious_rows,
-                                  offload_text, plural,
+                                  experts_text, offload_text, plural,
                                   rank_rows, recompute_text, runner_up_reasons, seconds_text, strategy_flag,
                                   strategy_label)
 
@@ -50,6 +50,8 @@ def _layout(report: Report) -> str:
         lines.append(f"recompute     {s.recompute}, {how}")
     if s.offload != "none":
         lines.append(f"offload       {offload_text(report)}")
+    if s.ep > 1:
+        lines.append(f"experts       {experts_text(report)}")
     flag, note = strategy_flag(s, report.fixed)
     free = [key for key in STRATEGY_KEYS if key not in report.fixed]
     chosen = ("chosen by the cost model" if not report.fixed else f"fixed: {', '.join(report.fixed)}"

@@ -48,6 +48,8 @@ def strategy_label(strategy: Strategy) -> str:
         label += f" recompute_layers={counts_text(strategy.recompute_layers)}"
     if strategy.offload != "none":
         label += f" offload={strategy.offload}"
+    if strategy.ep > 1:
+        label += f" ep={strategy.ep}"
     return label
 
 
@@ -70,7 +72,19 @@ def strategy_flag(strategy: Strategy, fixed: dict) -> tuple[str, str]:
             keys.append(f"recompute_layers={text}")
     if s.offload != "none":
         keys.append(f"offload={s.offload}")
+    if s.ep > 1:
+        keys.append(f"ep={s.ep}")
     return ",".join(keys), note
+
+
+def experts_text(report: Report) -> str:
+    """What ep > 1 does and costs the chosen plan, in one line."""
+    s, p = report.strategy, report.predicted
+    seconds = p.breakdown.expert_all_to_all
+    share = seconds / p.step_time_s if p.step_time_s else 0.0
+    groups = "the dp ranks" if s.ep == s.dp else f"groups of {s.ep} of the {s.dp} dp ranks ({s.dp // s.ep} replicas)"
+    return (f"ep={s.ep}: each MoE layer's experts split over {groups}, tokens sent to them and back by "
+            f"all-to-all: +{seconds_text(seconds)} per step not hidden ({share:.0%} of the step)")
 
 
 def offload_text(report: Report) -> str:
