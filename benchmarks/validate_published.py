@@ -162,7 +162,7 @@ def print_table(runs: list[PublishedRun], committed: Efficiency, held_out: dict[
 
 def _summary(label: str, runs: list[PublishedRun], errors: dict[str, float]) -> None:
     scored = [run for run in runs if run.id in errors]
-    print(f"{label} over {len(scored)} runs: {sum(abs(errors[r.id]) for r in scored) / len(scored):.1%}")
+    print(f"{label} over {len(scored)} runs: {sum(abs(errors[r.id]) for r in scored) / len(scored):.2%}")
     for family in sorted({run.family for run in scored}):
         family_errors = [abs(errors[run.id]) for run in scored if run.family == family]
         print(f"  {family}: {sum(family_errors) / len(family_errors):.1%} over {len(family_errors)} runs")
