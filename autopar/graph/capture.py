@@ -341,14 +341,20 @@ def _default_loss(output: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def quiet_fake_tensor_logs():
     """Fake-tensor kernels log a traceback before raising, even when the caller catches the error
-    (DTensor trying a layout); capture and the tp dry run report their errors once, themselves."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    (DTensor trying a layout); capture and the tp dry run report their errors once, themselves.
+    DTensor's warning that a CPU mesh runs a shard-to-shard all-to-all as all-gather + chunk is
+    silenced too: the dry run's fake mesh is a CPU one whatever the target (its ledger records the
+    all-gather gloo runs; on NCCL that redistribution is an all-to-all, not yet checked on a GPU)."""
+    loggers = [logging.getLogger(name) for name in
+               ("torch._subclasses.fake_tensor", "torch.distributed.tensor._collective_utils")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _refuse_data_dependent_shapes(graph: torch.fx.Graph, model: nn.Module, name: str) -> None:
