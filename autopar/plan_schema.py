@@ -129,6 +129,13 @@ class Strategy(_Record):
     # parameter's dp placement is S(0): its experts split over its ep group (over all of dp when
     # ep = dp; the dp/ep groups replicate them). Added with schema version 1's plans loading as 1.
     ep: int = Field(default=1, ge=1)
+    # Context parallelism: each sequence split over `cp` ranks (its own mesh axis, between dp and tp:
+    # world = pp x dp x cp x tp), attention exchanging keys and values around a ring of the cp ranks
+    # ("ring": p2p overlapped with per-chunk attention, causal chunks load-balanced) or re-sharding
+    # sequence to heads by all-to-all ("ulysses"). The cp ranks hold the same weights: gradients
+    # and ZeRO shards span dp x cp. Added with schema version 1's plans loading as 1 / "ring".
+    cp: int = Field(default=1, ge=1)
+    cp_kind: Literal["ring", "ulysses"] = "ring"
 
     @model_validator(mode="after")
     def _consistent(self) -> Strategy:
@@ -144,6 +151,8 @@ class Strategy(_Record):
             raise ValueError(f"vp={self.vp} virtual stages need schedule 'interleaved', not '{self.schedule}'")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallel (sp) splits along the tp group: it needs tp > 1")
+        if self.cp == 1 and self.cp_kind != "ring":
+            raise ValueError(f"cp_kind '{self.cp_kind}' needs cp > 1")
         if self.tp_overlap and not self.sp:
             raise ValueError("tp_overlap overlaps sequence-parallel collectives with GEMMs: it needs sp=true")
         return self
