@@ -294,7 +294,9 @@ def _priced_as_sent(probe, graph: OpGraph, facts, cluster: ClusterSpec, table) -
     from autopar.cluster import size_cluster
     from autopar.searcher.search import same_tp_ledger, search
 
-    two = dict(dp=1, tp=2, pp=1, sp=False, zero=0, microbatch=1, recompute="none")
+    # offload fixed: a model too large for two GPUs must not start the search's offload pass (its
+    # ledger is all this asks for, and the best candidate or the closest one carries it)
+    two = dict(dp=1, tp=2, pp=1, sp=False, zero=0, microbatch=1, recompute="none", offload="none")
     result = search(graph, facts, size_cluster(cluster, 2), 1, fixed=two, use_ilp=False, capabilities=table)
     candidate = result.best or (result.ranked[0] if result.ranked else None)
     return candidate is not None and same_tp_ledger(candidate, probe, facts)

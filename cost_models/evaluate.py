@@ -295,13 +295,16 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
     if s.recompute == "none" or s.recompute_layers is not None or not evaluation.fits:
         return evaluation
     b, tp, sp = s.microbatch, s.tp, s.sp
+    # per unit, computed once: the count search below sums them over every prefix of every rank
+    saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none"), unit_activation_bytes(u, b, tp, sp, s.recompute))
+             for units in stages for u in units}
 
     def keeps(unit: Unit) -> float:
-        return unit_activation_bytes(unit, b, tp, sp, "none") - unit_activation_bytes(unit, b, tp, sp, s.recompute)
+        kept, recomputed = saved[id(unit)]
+        return kept - recomputed
 
     def transient(unit: Unit) -> float:
-        full = unit_activation_bytes(unit, b, tp, sp, "none")
-        return full if s.recompute == "full" else keeps(unit)
+        return saved[id(unit)][0] if s.recompute == "full" else keeps(unit)
 
     counts = fewest_recomputed_layers(
         strategy=s, stages=stages, total_bytes=[m.total_bytes for m in evaluation.memory],
