@@ -19,6 +19,7 @@ group is the dp group, else "ep"; the replicas' sum on "edp").
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,9 @@ def shard_expert_states(module: nn.Module, groups: ExpertGroups, zero: int, dp: 
     options = {"mesh": groups.replica_mesh, "reshard_after_forward": zero >= 3, "shard_placement_fn": placement}
     if mixed_precision is not None:
         options["mp_policy"] = mixed_precision
+    # The combine all-to-all's output aliases its receive buffer (the functional wait returns its
+    # input), which FSDP2 flags as a view in case the caller writes to it in place; the MoE block never does.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPExperts\) returned a view tensor")
     for moe in module.modules():
         if isinstance(moe, MoE):
             fully_shard(moe.experts, **options)

@@ -213,7 +213,8 @@ def test_ep_outside_the_capability_table_is_refused_in_one_line(small):
     runtime = Capabilities(expert_parallel_refusal=expert_parallel_refusal(small[1].experts))
     assert runtime.supports(_strategy(ep=2)) is None and runtime.supports(_strategy(ep=2, recompute="full")) is None
     assert all(runtime.supports(_strategy(ep=2, zero=zero)) is None for zero in (1, 2, 3))
-    assert "without pipeline stages" in runtime.supports(_strategy(dp=2, pp=2, ep=2, zero=1))
+    assert runtime.supports(_strategy(dp=2, pp=2, ep=2, zero=1)) is None
+    assert "use zero ≤ 1 with pp > 1" in runtime.supports(_strategy(dp=2, pp=2, ep=2, zero=3))
     assert "use offload=none" in runtime.supports(_strategy(ep=2, zero=3, offload="optimizer"))
     assert "use tp=1 with ep > 1" in runtime.supports(_strategy(dp=2, tp=2, ep=2, microbatch=2))
     assert runtime.supports(_strategy(ep=2, recompute="selective")) is None
@@ -296,9 +297,18 @@ def test_one_expert_per_rank_is_sharded_on_its_hidden_dimension():
 
 @pytest.mark.slow
 def test_ep_with_pipeline_stages_on_four_processes():
-    """pp=2 x dp=2 with ep=2 (1F1B, then GPipe with full recompute): each stage's experts over its dp ranks."""
+    """pp=2 x dp=2 with ep=2 (1F1B, then GPipe with full recompute, then 1F1B under ZeRO 1): each stage's
+    experts over its dp ranks."""
     _parity(4, [dict(dp=2, tp=1, pp=2, zero=0, microbatch=2, ep=2, schedule="1f1b"),
-                dict(dp=2, tp=1, pp=2, zero=0, microbatch=2, ep=2, schedule="gpipe", recompute="full")])
+                dict(dp=2, tp=1, pp=2, zero=0, microbatch=2, ep=2, schedule="gpipe", recompute="full"),
+                dict(dp=2, tp=1, pp=2, zero=1, microbatch=2, ep=2, schedule="1f1b")])
+
+
+@pytest.mark.slow
+def test_ep_inside_dp_with_zero1_and_pipeline_stages_on_eight_processes():
+    """pp=2 x dp=4 with ep=2 under ZeRO 1 (1F1B): torch's stages drive FSDP2, the expert slices' units
+    included, gathered and reduced once per step over their 2 replicas ('edp'). About 70 s."""
+    _parity(8, [{"dp": 4, "tp": 1, "pp": 2, "zero": 1, "microbatch": 1, "ep": 2, "schedule": "1f1b"}])
 
 
 # --- what-if and report rows ---------------------------------------------------------------------
