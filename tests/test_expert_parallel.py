@@ -162,6 +162,25 @@ def test_zero_shards_expert_states_over_their_replicas(small):
         (sum(u.params for u in facts.units) - experts) * 12 * 3 / 4 + experts / 2 * 12 / 2)
 
 
+def test_zero3_prices_expert_gathers_on_the_replicas_layout(small):
+    """Without overlap, ZeRO-3's exposed traffic is the dense weights over dp plus the expert slices
+    over their replicas (ranks ep apart: across nodes once ep × replicas leaves one)."""
+    _, facts = small
+    experts = sum(x.expert_params for x in facts.experts)
+    dense = sum(u.params_on_device(1) for u in facts.units) - experts
+    strategy = _strategy(dp=4, ep=2, zero=3, dp_overlap=False)
+    for per_node in (8, 2):
+        cluster = autopar.load_cluster("dgx-h100", gpus=4).model_copy(update={"gpus_per_node": per_node})
+        dp, replicas = group_layout(4, 1, per_node), group_layout(2, 2, per_node)
+        gather = (collective_time_s("all_gather", dense * 2, dp, cluster)
+                  + collective_time_s("all_gather", experts / 2 * 2, replicas, cluster))
+        scatter = (collective_time_s("reduce_scatter", dense * 4, dp, cluster)
+                   + collective_time_s("reduce_scatter", experts / 2 * 4, replicas, cluster))
+        exposed = evaluate(facts, cluster, strategy, 16).breakdown["exposed_communication"]
+        assert exposed == pytest.approx(2 * (gather + gather + scatter))  # 2 micro-batches: forward, backward
+    assert replicas.nodes == 2
+
+
 def test_zero_ledger_gathers_expert_slices_over_their_replicas(small):
     _, facts = small
     stages = [list(facts.units)]
