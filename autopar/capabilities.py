@@ -108,10 +108,13 @@ class Capabilities:
     # set by the search, which knows the graph's layout.
     tp_refusal: Callable[[Strategy], str | None] | None = None
     # Expert parallelism (`runtime.expert_parallel`): the zoo's MoE block with its experts sharded over
-    # ep groups of dp ranks, with data and pipeline parallelism (tp = 1; ZeRO 0: expert gradients are
-    # summed over their replicas by the runtime's own buckets, not FSDP2's), any recompute (full resends
-    # each layer's forward all-to-alls, as priced; selective saves them): what the parity tests cover. `expert_parallel_refusal`: why the model being planned cannot run ep (no MoE layers,
-    # or MoE layers of another kind); None when it can, or when no model is at hand.
+    # ep groups of dp ranks, with data and pipeline parallelism (tp = 1), any recompute (full resends
+    # each layer's forward all-to-alls, as priced; selective saves them), ZeRO 0 (expert gradients
+    # summed over their replicas in the runtime's buckets) and ZeRO 1-3 (ZeRO 1 with pipeline stages,
+    # as for every plan; no offload), each rank's expert slices FSDP2 units over their replicas: what
+    # the parity tests cover.
+    # `expert_parallel_refusal`: why the model being planned cannot run ep (no MoE layers, or MoE
+    # layers of another kind); None when it can, or when no model is at hand.
     expert_parallel: bool = True
     expert_parallel_refusal: str | None = None
 
@@ -172,9 +175,8 @@ class Capabilities:
             return self.expert_parallel_refusal
         if strategy.tp > 1:
             return "the runtime runs expert parallelism without tensor parallelism: use tp=1 with ep > 1"
-        if strategy.zero > 0:
-            return ("the runtime's expert parallelism reduces gradients in its own buckets (zero 0): use zero=0 "
-                    "with ep > 1")
+        if strategy.offload != "none":
+            return "the runtime's expert parallelism keeps optimizer states on the device: use offload=none with ep > 1"
         return None
 
 

@@ -127,7 +127,8 @@ class Strategy(_Record):
     # (ep divides dp: the ranks are dp's, as Megatron-LM and DeepSpeed-MoE share them), tokens sent to
     # their experts by all-to-all (`cost_models.experts`, `runtime.expert_parallel`). An expert
     # parameter's dp placement is S(0): its experts split over its ep group (over all of dp when
-    # ep = dp; the dp/ep groups replicate them). Added with schema version 1's plans loading as 1.
+    # ep = dp; the dp/ep groups replicate them, or under ZeRO shard their states). Added with schema
+    # version 1's plans loading as 1.
     ep: int = Field(default=1, ge=1)
     # Context parallelism: each sequence split over `cp` ranks (its own mesh axis, between dp and tp:
     # world = pp x dp x cp x tp), attention exchanging keys and values around a ring of the cp ranks

@@ -15,7 +15,8 @@ It follows the runtime's algorithm, which the evaluator costs:
 - dp, ZeRO 0: the gradients all-reduced once per step in buckets; ZeRO 1-3 (FSDP, one unit per
   layer plus one for the rest of the stage): weights all-gathered at the first forward (ZeRO 1/2)
   or every forward and backward (ZeRO 3), gradients reduce-scattered once per step (ZeRO 1) or per
-  micro-batch (ZeRO 2/3);
+  micro-batch (ZeRO 2/3); under ep the experts are FSDP units of their own over their dp/ep
+  replicas (axis "edp", `cost_models.experts`), gathered and scattered as often, none when ep = dp;
 - pp: per micro-batch and stage boundary, a send and a receive of each tensor crossing the cut
   (`Unit.cut`: hidden states, an encoder's output, position biases; not what every stage
   recomputes from the inputs), and of the gradient back for each that carries one; the weights
@@ -43,7 +44,8 @@ from dataclasses import dataclass
 
 from autopar.graph.ir import OpGraph, OpNode
 from autopar.plan_schema import Strategy
-from autopar.cost_models.experts import ExpertLayer, all_to_all_axis, unit_all_to_alls, unit_expert_params
+from autopar.cost_models.experts import (ExpertLayer, all_to_all_axis, fsdp_expert_elements, unit_all_to_alls,
+                                         unit_expert_params)
 from autopar.cost_models.facts import OpFacts, Unit
 from autopar.cost_models.recompute import stage_policies
 
@@ -123,14 +125,21 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                     add("pp", "recv", tensor.bytes_for(b) / shard, m if tensor.grad else 0)
         if s.dp > 1 and s.zero >= 1:
             copies = sum(n for stage, n in tied["copies"] if stage == index)
-            gathered = _fsdp_unit_params(units, s.tp, s.dp, copies)
-            reduced = _fsdp_unit_params(units, s.tp, s.dp, copies, gradients=True)
+            moe = experts if s.ep > 1 else ()
+            gathered = _fsdp_unit_params(units, s.tp, s.dp, copies, experts=moe)
+            reduced = _fsdp_unit_params(units, s.tp, s.dp, copies, gradients=True, experts=moe)
+            gathers = 2 * m if s.zero >= 3 else 1
+            scatters = m if s.zero >= 2 else 1
             for unit_params, unit_grads in zip(gathered, reduced):
-                gathers = 2 * m if s.zero >= 3 else 1
-                scatters = m if s.zero >= 2 else 1
                 add("dp", "all_gather", unit_params * weight_bytes, gathers)
                 if unit_grads:
                     add("dp", "reduce_scatter", unit_grads * GRADIENT_REDUCE_BYTES, scatters)
+            replicas = s.dp // s.ep
+            for layer in moe if replicas > 1 else ():  # each MoE layer's expert slices: a unit over "edp"
+                local = fsdp_expert_elements([layer], layer.unit, s.ep, replicas)
+                if any(layer.unit == u.name for u in units):
+                    add("edp", "all_gather", local * weight_bytes, gathers)
+                    add("edp", "reduce_scatter", local * GRADIENT_REDUCE_BYTES, scatters)
     if s.dp > 1 and s.zero == 0:
         rank_params = sum(u.trainable_on_device(s.tp) for i in mine for u in stages[i]) + sum(n for _, n in tied["copies"])
         rank_experts = sum(unit_expert_params(experts, u.name) for i in mine for u in stages[i]) if s.ep > 1 else 0
@@ -187,11 +196,16 @@ def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int) -> list[dict]:
 
 
 def _fsdp_unit_params(units: list[Unit], tp: int, dp: int, root_copies: float = 0.0,
-                      gradients: bool = False) -> list[float]:
+                      gradients: bool = False, experts: Sequence[ExpertLayer] = ()) -> list[float]:
     """Elements per FSDP unit of a stage, padded as FSDP2 pads them: each layer its own, the rest of
     the stage the root's. `gradients`: what its reduce-scatter moves (frozen parameters left out),
-    one entry per unit that has parameters, aligned with the gathered list."""
-    size = (lambda u: u.fsdp_reduced_params(tp, dp)) if gradients else (lambda u: u.fsdp_gathered_params(tp, dp))
+    one entry per unit that has parameters, aligned with the gathered list. `experts` (under ep):
+    MoE layers whose expert weights are units of their own (over "edp"), left out here."""
+    def size(u: Unit) -> float:
+        whole = u.fsdp_reduced_params(tp, dp) if gradients else u.fsdp_gathered_params(tp, dp)
+        # the expert weights as `Unit` counted them: each padded on its first dimension over dp
+        return whole - sum(-(-shape[0] // dp) * dp * math.prod(shape[1:]) for layer in experts
+                           if layer.unit == u.name for shape in layer.param_shapes)
     held = [u for u in units if u.layer_type is not None and u.fsdp_gathered_params(tp, dp)]
     root = [u for u in units if u.layer_type is None]
     root_size = sum(size(u) for u in root) + root_copies

@@ -188,15 +188,21 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
             exposed = max(reduce - window, reduce / buckets) if overlap_grad_sync else reduce
             if s.zero >= 1:  # the updated weight shards, gathered before (or during) the next forward
-                gather = collective_time_s("all_gather", rank_params[rank] * per.weight, dp_layout, cluster)
+                gather = collective_time_s("all_gather", (rank_params[rank] - experts) * per.weight, dp_layout,
+                                           cluster)
                 first_forward = sum(prices.stages[i].forward_s for i in stage_indices)
                 exposed += max(gather - first_forward, gather / buckets) if overlap_grad_sync else gather
-        if experts and s.dp > s.ep:  # expert gradients summed over the dp/ep ranks holding the same experts
+        if experts and s.dp > s.ep and s.zero < 3:  # expert gradients over the dp/ep ranks holding the same experts
             replicas = replica_layout(s, cluster.gpus_per_node)
-            reduce = collective_time_s("all_reduce", experts * GRADIENT_REDUCE_BYTES, replicas, cluster)
+            reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce",
+                                       experts * GRADIENT_REDUCE_BYTES, replicas, cluster)
             window = sum(prices.stages[i].backward_s for i in stage_indices)
             buckets = max(1, math.ceil(experts * GRADIENT_REDUCE_BYTES / DDP_BUCKET_BYTES))
             exposed += max(reduce - window, reduce / buckets) if overlap_grad_sync else reduce
+            if s.zero >= 1:  # and their updated shards gathered again
+                gather = collective_time_s("all_gather", experts * per.weight, replicas, cluster)
+                first_forward = sum(prices.stages[i].forward_s for i in stage_indices)
+                exposed += max(gather - first_forward, gather / buckets) if overlap_grad_sync else gather
         rank_units = [u for i in stage_indices for u in stages_units[i]]
         exposed += sum(calls * collective_time_s("all_reduce", size, tp_layout, cluster)
                        for size, calls in sequence_parallel_gradient_reductions(rank_units, s))
@@ -205,7 +211,9 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
         if tied_ranks[rank]["summed"]:  # as the ledger sends it: after backward, nothing to hide behind
             tied_bytes = tied_ranks[rank]["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES
             exposed += collective_time_s("all_reduce", tied_bytes, tied_layout, cluster)
-        updated = rank_params[rank] / (s.dp if s.zero >= 1 else 1)
+        # ZeRO shards dense states over dp, expert slices over their dp/ep replicas
+        updated = (rank_params[rank] - experts) / (s.dp if s.zero >= 1 else 1) \
+            + experts / (s.dp // s.ep if s.zero >= 1 else 1)
         if s.offload == "optimizer":
             units = sum(1 for i in stage_indices for u in stages_units[i] if u.layer_type is not None) + 1
             offload = offload_cost(updated, cluster, zero=s.zero, num_microbatches=s.num_microbatches,
@@ -235,6 +243,8 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             dispatch_bytes=dispatch_buffer_bytes(pricing.facts.experts, [u.name for i in stage_indices
                                                                           for u in stages_units[i]], s.microbatch)
             if s.ep > 1 else 0.0,
+            expert_params=prices.rank_expert_params[rank] if prices.rank_expert_params else 0.0,
+            expert_dp=s.dp // s.ep,
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )

@@ -17,12 +17,18 @@ buffers (one all-to-all's send and receive buffers in flight); the received rows
 keeps are what the graph saves at ep = 1 (the same [E, b·C, hidden] per layer), so activations stay.
 Gradients: non-expert parameters reduced over dp as before; expert gradients only over their
 dp/ep replicas (nothing when ep = dp), since the all-to-all's backward already summed the ep group's.
-Priced for ZeRO 0, what the runtime runs with ep: the capability table refuses ZeRO >= 1 with ep
-(sharding expert states over their replicas, Megatron-LM's expert data parallelism, is not modelled).
+ZeRO (expert data parallelism, as Megatron-LM and TorchTitan shard MoE experts): non-expert states
+are sharded over dp as without ep; each rank's E/ep expert slices are an FSDP unit of their own,
+sharded over their dp/ep replicas ("edp", `replica_layout`), so ZeRO 1/2/3 divide expert states by
+ep × dp/ep = dp, and the experts' all-gathers and reduce-scatters run on the edp groups (none when
+ep = dp). A slice is sharded on its first dimension when the replicas divide its E/ep experts, else
+on the first dimension they divide (TorchTitan's rule: Mixtral's one expert per rank over 8 replicas
+would otherwise be padded 8-fold), see `expert_shard_dim`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,12 +55,14 @@ class ExpertLayer:
     expert_params: int  # elements of its experts' weights
     dispatch_bytes_per_sample: float  # one all-to-all's buffer for one sample
     autopar_dispatch: bool  # the zoo's MoE, which the runtime shards over ep
+    param_shapes: tuple[tuple[int, ...], ...] = ()  # each expert weight's full shape, [E, ...]
 
 
 def expert_layers(graph, unit_of: dict[str, str]) -> tuple[ExpertLayer, ...]:
     """The graph's MoE layers (`graph.moe_layers`) with the unit whose forward runs each router."""
     activation = DTYPE_BYTES.get({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(graph.precision,
                                                                                                "float32"), 4)
+    shapes = {p.name: tuple(p.shape) for p in graph.params}
     layers = []
     for layer in graph.moe_layers:
         prefix = layer.module_path + "."
@@ -65,7 +73,8 @@ def expert_layers(graph, unit_of: dict[str, str]) -> tuple[ExpertLayer, ...]:
         layers.append(ExpertLayer(unit=unit, experts=layer.experts, expert_params=layer.expert_param_elements,
                                   dispatch_bytes_per_sample=float(layer.dispatch_rows_per_sample * layer.hidden
                                                                   * activation),
-                                  autopar_dispatch=layer.autopar_dispatch))
+                                  autopar_dispatch=layer.autopar_dispatch,
+                                  param_shapes=tuple(shapes[n] for n in layer.expert_params if n in shapes)))
     return tuple(layers)
 
 
@@ -81,6 +90,29 @@ def ep_layout(strategy: Strategy, gpus_per_node: int) -> GroupLayout:
 def replica_layout(strategy: Strategy, gpus_per_node: int) -> GroupLayout:
     """The dp/ep ranks holding the same experts: ep × tp apart."""
     return group_layout(strategy.dp // strategy.ep, strategy.ep * strategy.tp, gpus_per_node)
+
+
+def expert_shard_dim(local_shape: Sequence[int], replicas: int) -> int:
+    """The dimension FSDP2 shards a rank's expert slice on over its `replicas`: the first (experts)
+    when they divide it, else the first they divide (no padding), else the first, padded."""
+    if not local_shape or local_shape[0] % replicas == 0:
+        return 0
+    return next((d for d, size in enumerate(local_shape) if size % replicas == 0), 0)
+
+
+def fsdp_expert_elements(layers: Sequence[ExpertLayer], unit: str, ep: int, replicas: int) -> float:
+    """Elements one all-gather (or reduce-scatter) of `unit`'s expert slices moves over their replicas:
+    each [E/ep, ...] slice, padded on its first dimension when that is what FSDP2 shards and the
+    replicas do not divide it."""
+    total = 0.0
+    for layer in layers:
+        if layer.unit != unit:
+            continue
+        for shape in layer.param_shapes:
+            local = (shape[0] // ep, *shape[1:])
+            rows = -(-local[0] // replicas) * replicas if expert_shard_dim(local, replicas) == 0 else local[0]
+            total += rows * math.prod(local[1:])
+    return total
 
 
 def unit_all_to_alls(layers: Sequence[ExpertLayer], unit: str, microbatch: int, policy: str

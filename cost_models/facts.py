@@ -138,7 +138,7 @@ class Unit:
         """Elements an FSDP2 reduce-scatter moves: the gathered ones less the parameters with no
         gradient, frozen or unread (each padded as in `fsdp_gathered_params`)."""
         read = self.param_read or (True,) * len(self.param_shapes)
-        without = sum(-(-shape[0] // dp) * dp * math.prod(shape[1:]) if tp_dim is None and shape
+        without = sum(-(-shape[0] // dp) * dp * math.prod(shape[1:]) if (tp_dim is None or tp == 1) and shape
                       else math.prod(shape) / (tp if tp_dim is not None else 1)
                       for (shape, tp_dim), trainable, is_read in zip(self.param_shapes, self.param_trainable, read)
                       if not (trainable and is_read))
@@ -149,10 +149,11 @@ class Unit:
         over dp ranks: each tensor's first dimension is split in dp equal chunks, the last one padded
         (ViT's [1, 1, hidden] class token moves as [2, 1, hidden] at dp=2). The padding is counted
         for parameters tp does not split; a tp shard's rows are assumed to divide by dp (placements
-        chosen later than these facts may split other tensors)."""
+        chosen later than these facts may split other tensors); at tp = 1 nothing is split, so every
+        tensor's padding is counted (a MoE router's [2 experts, hidden] moves as 4 rows at dp=4)."""
         padding = 0
         for shape, tp_dim in self.param_shapes:
-            if tp_dim is None and shape:
+            if (tp_dim is None or tp == 1) and shape:
                 padding += (-(-shape[0] // dp) * dp - shape[0]) * math.prod(shape[1:])
         return self.params_on_device(tp) + padding
 

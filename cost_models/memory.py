@@ -95,13 +95,19 @@ def device_memory(
     optimizer_state: str = "fp32",
     offload: str = "none",
     dispatch_bytes: float = 0.0,
+    expert_params: float = 0.0,
+    expert_dp: int = 1,
 ) -> MemoryBreakdown:
     """`offload="optimizer"` (FSDP2's CPUOffloadPolicy): every sharded state lives in host memory
     (`cost_models.offload`): the optimizer states (fp32 master weights and moments) always, the
     gradient shards under ZeRO 2/3 (reduced every micro-batch, then copied out) and the weight
     shards under ZeRO 3 (gathered from the host for each use: the buffers below). What the runtime
-    keeps unsharded through the step stays: ZeRO 1/2's gathered weights, ZeRO 1's gradients."""
-    weights, gradients, optimizer = model_state_bytes(params_on_device, precision, zero, dp, optimizer_state)
+    keeps unsharded through the step stays: ZeRO 1/2's gathered weights, ZeRO 1's gradients.
+    `expert_params` (ep > 1): of `params_on_device`, this rank's expert slices, whose ZeRO shards
+    over their `expert_dp` = dp/ep replicas (`cost_models.experts`)."""
+    dense = model_state_bytes(params_on_device - expert_params, precision, zero, dp, optimizer_state)
+    sliced = model_state_bytes(expert_params, precision, zero, expert_dp, optimizer_state)
+    weights, gradients, optimizer = (a + b for a, b in zip(dense, sliced))
     if offload == "optimizer":
         optimizer = 0.0
         gradients = 0.0 if zero >= 2 else gradients

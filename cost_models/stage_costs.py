@@ -18,7 +18,7 @@ from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_r
                                              vocab_parallel_head_collectives)
 from autopar.cost_models.communication import GroupLayout, collective_time_s
 from autopar.cost_models.compute import Efficiency, UnitTime, unit_time
-from autopar.cost_models.experts import all_to_all_time_s, unit_all_to_alls, unit_expert_params
+from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_all_to_alls, unit_expert_params
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.memory import state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
@@ -207,10 +207,16 @@ def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], forward_s: float, 
     if s.zero < 3 or s.dp == 1:
         return 0.0, 0.0
     per = state_bytes_per_param(pricing.facts.precision, s.optimizer_state)
-    stage_weight_bytes = sum(u.params_on_device(s.tp) for u in units) * per.weight
-    gather = collective_time_s("all_gather", stage_weight_bytes, pricing.dp_layout, pricing.cluster)
-    scatter = collective_time_s("reduce_scatter", stage_weight_bytes / per.weight * GRADIENT_REDUCE_BYTES,
-                                pricing.dp_layout, pricing.cluster)
+    experts = sum(unit_expert_params(pricing.facts.experts, u.name) for u in units) if s.ep > 1 else 0.0
+    stage_params = sum(u.params_on_device(s.tp) for u in units) - experts
+    gather = collective_time_s("all_gather", stage_params * per.weight, pricing.dp_layout, pricing.cluster)
+    scatter = collective_time_s("reduce_scatter", stage_params * GRADIENT_REDUCE_BYTES, pricing.dp_layout,
+                                pricing.cluster)
+    if experts and s.dp > s.ep:  # ep: the expert slices over their replicas (`cost_models.experts`)
+        replicas = replica_layout(s, pricing.cluster.gpus_per_node)
+        gather += collective_time_s("all_gather", experts / s.ep * per.weight, replicas, pricing.cluster)
+        scatter += collective_time_s("reduce_scatter", experts / s.ep * GRADIENT_REDUCE_BYTES, replicas,
+                                     pricing.cluster)
     if not s.dp_overlap:
         return gather, gather + scatter
     first = gather / max(len(units), 1)

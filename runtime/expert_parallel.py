@@ -10,20 +10,27 @@ backward the transposed all-to-all, so the experts' gradients sum over the group
 
 Gradients: the non-expert parameters are data parallel as before; an expert's gradient already
 holds its whole ep group's contribution, so it is summed only over the dp/ep groups that hold
-the same experts (`replica_group`, none when ep = dp) and divided by dp like every gradient.
+the same experts (`replica_group`, none when ep = dp) and divided by dp like every gradient:
+under ZeRO 0 in the runtime's buckets, under ZeRO 1-3 by FSDP2, each MoE layer's expert slices
+one unit sharded over their replicas (`shard_expert_states`, TorchTitan's layout).
 As costed in `cost_models.experts`, and counted by `runtime.collectives` (axis "dp" when the ep
 group is the dp group, else "ep"; the replicas' sum on "edp").
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
+from autopar.cost_models.experts import expert_shard_dim
 from autopar.models.moe import MoE
 
 
@@ -43,37 +50,22 @@ class ExpertGroups:
     ep_rank: int
     ep_group: dist.ProcessGroup
     replica_group: dist.ProcessGroup | None  # None when ep = dp: the experts have no replicas
-    axes: dict[frozenset[int], str]  # new groups' ranks -> their ledger axis, for the collective counter
+    axes: dict[frozenset[int], str]  # this rank's new groups' ranks -> their ledger axis, for the collective counter
+    replica_mesh: DeviceMesh | None = None  # the replicas as a 1-D mesh (of one rank when ep = dp), for FSDP2
 
 
 def build_expert_groups(layout, ep: int) -> ExpertGroups:
-    """Groups of ep consecutive dp ranks and, when ep < dp, the dp/ep ranks a stride of ep apart.
-    Every rank creates every group, in one order (as `new_group` requires)."""
+    """The (pp, dp, tp) mesh with dp unfolded into (dp/ep, ep): the ep groups are ep consecutive dp
+    ranks, the replicas dp/ep ranks a stride of ep apart (of one rank when ep = dp)."""
     dp, tp, pp = layout.size("dp"), layout.size("tp"), layout.size("pp")
-    ep_rank = layout.dp_rank % ep
-    if ep == dp:
-        return ExpertGroups(ep, ep_rank, layout.group("dp"), None, {})
-    mine: dict[str, dist.ProcessGroup] = {}
-    axes: dict[frozenset[int], str] = {}
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            def global_rank(d: int) -> int:
-                return (pp_rank * dp + d) * tp + tp_rank
-
-            here = (pp_rank, tp_rank) == (layout.pp_rank, layout.tp_rank)
-            for first in range(0, dp, ep):
-                ranks = [global_rank(d) for d in range(first, first + ep)]
-                group = dist.new_group(ranks)
-                axes[frozenset(ranks)] = "ep"
-                if here and first <= layout.dp_rank < first + ep:
-                    mine["ep"] = group
-            for offset in range(ep):
-                ranks = [global_rank(d) for d in range(offset, dp, ep)]
-                group = dist.new_group(ranks)
-                axes[frozenset(ranks)] = "edp"
-                if here and offset == ep_rank:
-                    mine["edp"] = group
-    return ExpertGroups(ep, ep_rank, mine["ep"], mine["edp"], axes)
+    mesh = init_device_mesh(layout.device.type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
+    replicas = mesh["edp"]
+    axes = {}
+    if ep < dp:
+        axes[frozenset(dist.get_process_group_ranks(mesh.get_group("ep")))] = "ep"
+        axes[frozenset(dist.get_process_group_ranks(mesh.get_group("edp")))] = "edp"
+    return ExpertGroups(ep, layout.dp_rank % ep, mesh.get_group("ep"),
+                        mesh.get_group("edp") if ep < dp else None, axes, replicas)
 
 
 def expert_parallel_problem(model: nn.Module, ep: int) -> str | None:
@@ -108,6 +100,32 @@ def apply_expert_parallel(module: nn.Module, groups: ExpertGroups) -> dict[str, 
     return names
 
 
+def shard_expert_states(module: nn.Module, groups: ExpertGroups, zero: int, dp: int,
+                        mixed_precision: MixedPrecisionPolicy | None) -> None:
+    """ZeRO over the experts' replicas: each MoE layer's expert slices one FSDP2 unit on the replica
+    mesh (no collective when it is one rank), before the blocks' units over dp claim the rest.
+    An expert's gradient already sums its ep group's tokens: FSDP2 sums it over the replicas and
+    divides by dp, as every gradient."""
+    replicas = groups.replica_mesh.size()
+
+    def placement(param: nn.Parameter) -> Shard:
+        return Shard(expert_shard_dim(tuple(param.shape), replicas))
+
+    options = {"mesh": groups.replica_mesh, "reshard_after_forward": zero >= 3, "shard_placement_fn": placement}
+    if mixed_precision is not None:
+        options["mp_policy"] = mixed_precision
+    # The combine all-to-all's output aliases its receive buffer (the functional wait returns its
+    # input), which FSDP2 flags as a view in case the caller writes to it in place; the MoE block never does.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPExperts\) returned a view tensor")
+    for moe in module.modules():
+        if isinstance(moe, MoE):
+            fully_shard(moe.experts, **options)
+            moe.experts.set_gradient_divide_factor(float(dp))
+            # over several replicas: a sum, then the division (else a pre-multiplied sum, which gloo lacks);
+            # over one, FSDP2 only divides, and forcing the sum there would divide twice (torch 2.13)
+            moe.experts.set_force_sum_reduction_for_comms(replicas > 1)
+
+
 def _dispatch(groups: ExpertGroups):
     def hook(_module: nn.Module, args: tuple) -> tuple:
         buffer = args[0]  # [E, tokens, hidden], experts in owner order
@@ -131,7 +149,10 @@ def _combine(groups: ExpertGroups):
 
 
 def gather_experts(tensor: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
-    """The whole [E, ...] tensor from each rank's [E/ep, ...] slice (a collective over the ep group)."""
+    """The whole [E, ...] tensor from each rank's [E/ep, ...] slice (a collective over the ep group;
+    first over the replicas when ZeRO shards the slice)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
     local = tensor.detach().contiguous()
     chunks = [torch.empty_like(local) for _ in range(groups.ep)]
     dist.all_gather(chunks, local, group=groups.ep_group)

@@ -2,10 +2,12 @@
 
 Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel (module
 rules, or DTensor through the model's forward, as the plan's `tp_realization` says) → recompute →
-FSDP/ZeRO → expert parallel (each rank's experts kept, all-to-alls around them) → materialize local
-shards → schedule → dp gradient buckets (zero 0; expert gradients over their replicas). Tensor parallelism comes before FSDP
-so FSDP shards the DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside
-the checkpointed forward; materialization last, so every rank only ever allocates its shards.
+expert parallel (each rank's experts kept, all-to-alls around them; under ZeRO their own FSDP units
+over their replicas) → FSDP/ZeRO → materialize local shards → schedule → dp gradient buckets (zero 0;
+expert gradients over their replicas). Tensor parallelism comes before FSDP so FSDP shards the
+DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside the checkpointed
+forward; expert parallelism before FSDP so the blocks' units leave the expert slices to their own;
+materialization last, so every rank only ever allocates its shards.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from autopar.runtime.compile import compile_blocks
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter_device, set_microbatch_boundary
 from autopar.runtime.dtensor_tp import step_context as dtensor_step_context
 from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel, build_expert_groups,
-                                             expert_parallel_problem, gather_experts)
+                                             expert_parallel_problem, gather_experts, shard_expert_states)
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.pipeline import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
@@ -125,7 +127,8 @@ class ParallelModel:
         named = self.named_parameters()
         if self.expert_buckets is not None:
             self.expert_buckets.finish()
-        elif self.expert_params:  # ep = dp: each expert's gradient holds every dp rank's share already
+        elif self.expert_params and self.strategy.zero == 0:
+            # ep = dp: each expert's gradient holds every dp rank's share already (FSDP2 divides under ZeRO)
             s = self.strategy
             for name in self.expert_params:  # a pipeline schedule left the micro-batches' sum unscaled
                 if named[name].grad is not None:
@@ -150,6 +153,8 @@ class ParallelModel:
                 copies = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
                 # replicated over the stage-mesh axes the DTensor does not span
                 copies *= self._stage_size() // grad.device_mesh.size()
+                if name in self.expert_params:  # sharded over the replicas, split over ep: no copies there
+                    copies //= self.expert_groups.ep
                 local = grad.to_local()
             else:
                 copies, local = self._stage_size(), grad
@@ -312,14 +317,16 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 4. recompute the planned modules
         apply_recompute(module, plan.recompute_modules, s.recompute)
         blocks = _innermost([p for p in stage_units[index] if _is_block(module, p)])
-        # 5. ZeRO: FSDP2 units per block over the dp axis (their shards on the host under offload)
-        if s.zero >= 1:
-            apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision), s.offload)
         expert_rows = {}
-        if s.ep > 1:  # 6. this rank's experts, tokens routed to their owners by all-to-all
+        if s.ep > 1:  # 5. this rank's experts, tokens routed to their owners by all-to-all
             groups = groups or build_expert_groups(layout, s.ep)
             expert_rows = apply_expert_parallel(module, groups)
             expert_names += list(expert_rows)
+            if s.zero >= 1:  # their states sharded over their replicas, units of their own
+                shard_expert_states(module, groups, s.zero, layout.size("dp"), fsdp_policy(precision))
+        # 6. ZeRO: FSDP2 units per block over the dp axis (their shards on the host under offload)
+        if s.zero >= 1:
+            apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision), s.offload)
         # 7. materialize this rank's shards (and experts) with the sharding-independent init
         materialize(module, source, layout.device, parameter_device(layout.device, s.offload), expert_rows)
         if compile:  # 7b. compile each block's forward, inside every wrapper above (runtime/compile.py)

@@ -141,6 +141,63 @@ def test_ledger_lists_the_all_to_alls_and_the_expert_replicas_sum(small):
     assert shared[("dp", "all_to_all")] == (16, 16 * dispatch) and ("edp", "all_reduce") not in shared
 
 
+def test_zero_shards_expert_states_over_their_replicas(small):
+    """ZeRO with ep: dense states over dp, each rank's E/ep expert slices over their dp/ep replicas,
+    so expert states end up divided by dp (not by ep × dp, nor only by ep)."""
+    _, facts = small
+    cluster = autopar.load_cluster("dgx-h100", gpus=4)
+    experts = sum(x.expert_params for x in facts.experts)
+    for zero, kinds in ((1, ("optimizer_states",)), (2, ("optimizer_states", "gradients")),
+                        (3, ("optimizer_states", "gradients", "parameters"))):
+        dense = evaluate(facts, cluster, _strategy(dp=4, zero=zero), 8).memory[0]
+        sharded = evaluate(facts, cluster, _strategy(dp=4, zero=zero, ep=2), 8).memory[0]
+        # what ZeRO shards is the same per rank (E/ep over dp/ep replicas = E/dp); what it keeps whole, ep halves
+        for kind in kinds:
+            assert getattr(sharded, kind) == pytest.approx(getattr(dense, kind)), (zero, kind)
+        if zero < 3:
+            assert dense.parameters - sharded.parameters == pytest.approx(experts / 2 * 2)  # bf16 weights
+    zero0 = evaluate(facts, cluster, _strategy(dp=4, ep=2), 8).memory[0]
+    zero3 = evaluate(facts, cluster, _strategy(dp=4, ep=2, zero=3), 8).memory[0]
+    assert zero0.optimizer_states - zero3.optimizer_states == pytest.approx(
+        (sum(u.params for u in facts.units) - experts) * 12 * 3 / 4 + experts / 2 * 12 / 2)
+
+
+def test_zero3_prices_expert_gathers_on_the_replicas_layout(small):
+    """Without overlap, ZeRO-3's exposed traffic is the dense weights over dp plus the expert slices
+    over their replicas (ranks ep apart: across nodes once ep × replicas leaves one)."""
+    _, facts = small
+    experts = sum(x.expert_params for x in facts.experts)
+    dense = sum(u.params_on_device(1) for u in facts.units) - experts
+    strategy = _strategy(dp=4, ep=2, zero=3, dp_overlap=False)
+    for per_node in (8, 2):
+        cluster = autopar.load_cluster("dgx-h100", gpus=4).model_copy(update={"gpus_per_node": per_node})
+        dp, replicas = group_layout(4, 1, per_node), group_layout(2, 2, per_node)
+        gather = (collective_time_s("all_gather", dense * 2, dp, cluster)
+                  + collective_time_s("all_gather", experts / 2 * 2, replicas, cluster))
+        scatter = (collective_time_s("reduce_scatter", dense * 4, dp, cluster)
+                   + collective_time_s("reduce_scatter", experts / 2 * 4, replicas, cluster))
+        exposed = evaluate(facts, cluster, strategy, 16).breakdown["exposed_communication"]
+        assert exposed == pytest.approx(2 * (gather + gather + scatter))  # 2 micro-batches: forward, backward
+    assert replicas.nodes == 2
+
+
+def test_zero_ledger_gathers_expert_slices_over_their_replicas(small):
+    _, facts = small
+    stages = [list(facts.units)]
+    local = E // 2 * 2 * HIDDEN * 4 * HIDDEN  # a layer's 2 of 4 experts, w_in and w_out
+    for zero, gathers, scatters in ((3, 2 * 2, 2), (2, 1, 2), (1, 1, 1)):
+        ledger = step_collectives(stages, _strategy(dp=4, ep=2, zero=zero), "bf16", 0, seq_len=16,
+                                  experts=facts.experts)
+        assert ledger[("edp", "all_gather")] == (2 * gathers, 2 * gathers * local * 2)  # 2 layers, bf16 weights
+        assert ledger[("edp", "reduce_scatter")] == (2 * scatters, 2 * scatters * local * 4)  # fp32 gradients
+        dense = step_collectives(stages, _strategy(dp=4, zero=zero), "bf16", 0, seq_len=16)
+        # dp's units no longer gather the experts: the same calls, the expert bytes gone
+        assert ledger[("dp", "all_gather")] == (dense[("dp", "all_gather")][0],
+                                                dense[("dp", "all_gather")][1] - 2 * gathers * 2 * local * 2)
+    same = step_collectives(stages, _strategy(dp=2, ep=2, zero=3), "bf16", 0, seq_len=16, experts=facts.experts)
+    assert not any(axis == "edp" for axis, _ in same)  # ep = dp: the slices have no replicas, FSDP2 sends nothing
+
+
 # --- strategy, plan file, capability table, search ----------------------------------------------
 
 def test_ep_parses_and_old_plans_load_as_ep_1(tmp_path, ep2_plan):
@@ -174,7 +231,10 @@ def test_ep_outside_the_capability_table_is_refused_in_one_line(small):
 
     runtime = Capabilities(expert_parallel_refusal=expert_parallel_refusal(small[1].experts))
     assert runtime.supports(_strategy(ep=2)) is None and runtime.supports(_strategy(ep=2, recompute="full")) is None
-    assert "use zero=0 with ep > 1" in runtime.supports(_strategy(ep=2, zero=1))
+    assert all(runtime.supports(_strategy(ep=2, zero=zero)) is None for zero in (1, 2, 3))
+    assert runtime.supports(_strategy(dp=2, pp=2, ep=2, zero=1)) is None
+    assert "use zero ≤ 1 with pp > 1" in runtime.supports(_strategy(dp=2, pp=2, ep=2, zero=3))
+    assert "use offload=none" in runtime.supports(_strategy(ep=2, zero=3, offload="optimizer"))
     assert "use tp=1 with ep > 1" in runtime.supports(_strategy(dp=2, tp=2, ep=2, microbatch=2))
     assert runtime.supports(_strategy(ep=2, recompute="selective")) is None
     assert "routes its own way" in expert_parallel_refusal([dataclasses.replace(small[1].experts[0],
@@ -203,10 +263,10 @@ def test_search_ranks_ep_plans_and_says_why_not_ep():
 # --- runtime: parity and ledger on gloo processes ------------------------------------------------
 
 def _parity(world: int, strategies: list[dict], family: str = "gpt", plans: list | None = None,
-            layers: int = 4) -> None:
+            layers: int = 4, experts: int = E) -> None:
     """Losses within relative 1e-5 of one process, gathered weights within 1e-5, executed placements
     the plan's, and each rank's collectives in a step equal to the plan's ledger (`_check`)."""
-    overrides = tiny_config(family, layers=layers, **MOE)
+    overrides = tiny_config(family, layers=layers, **{**MOE, "moe_experts": experts})
     data = batches(overrides["vocab"], GLOBAL_BATCH, SEQ, STEPS)
     plans = plans or [make_plan(family, overrides, strategy, world, GLOBAL_BATCH) for strategy in strategies]
     jobs = [dict(plan=plan.to_json(), model=family, overrides=overrides, data=data) for plan in plans]
@@ -225,6 +285,12 @@ def test_ep2_shares_dp2_and_trains_like_one_process(ep2_plan):
     _parity(2, [EP2], plans=[ep2_plan], layers=2)
 
 
+def test_ep2_with_zero3_shards_expert_states_and_trains_like_one_process():
+    """ZeRO-3 with ep = dp = 2: dense weights sharded over dp by FSDP2, each rank's experts its own
+    (their replicas are one rank: FSDP2 sends nothing for them), gradients divided by dp."""
+    _parity(2, [dict(EP2, zero=3)], layers=2)
+
+
 @pytest.mark.slow
 def test_ep_times_dp_on_four_processes():
     """ep=2 inside dp=4 (expert replicas summed over 'edp'), ep=4 = dp with full recompute (the forward's
@@ -235,10 +301,33 @@ def test_ep_times_dp_on_four_processes():
 
 
 @pytest.mark.slow
+def test_ep_times_dp_with_zero_on_four_processes():
+    """ep=2 inside dp=4 under ZeRO 3, 2 and 1: dense states sharded over dp, each rank's two experts
+    sharded on their first dimension over their 2 replicas ('edp' all-gathers and reduce-scatters)."""
+    _parity(4, [{"dp": 4, "tp": 1, "pp": 1, "zero": zero, "microbatch": 1, "ep": 2} for zero in (3, 2, 1)])
+
+
+@pytest.mark.slow
+def test_one_expert_per_rank_is_sharded_on_its_hidden_dimension():
+    """2 experts, ep=2 inside dp=4, ZeRO 3 on Llama's SwiGLU experts: a rank's single expert cannot split
+    over its 2 replicas by experts, so it is sharded on dimension 1 (no padding, as the ledger prices it)."""
+    _parity(4, [{"dp": 4, "tp": 1, "pp": 1, "zero": 3, "microbatch": 1, "ep": 2}], family="llama", experts=2)
+
+
+@pytest.mark.slow
 def test_ep_with_pipeline_stages_on_four_processes():
-    """pp=2 x dp=2 with ep=2 (1F1B, then GPipe with full recompute): each stage's experts over its dp ranks."""
+    """pp=2 x dp=2 with ep=2 (1F1B, then GPipe with full recompute, then 1F1B under ZeRO 1): each stage's
+    experts over its dp ranks."""
     _parity(4, [dict(dp=2, tp=1, pp=2, zero=0, microbatch=2, ep=2, schedule="1f1b"),
-                dict(dp=2, tp=1, pp=2, zero=0, microbatch=2, ep=2, schedule="gpipe", recompute="full")])
+                dict(dp=2, tp=1, pp=2, zero=0, microbatch=2, ep=2, schedule="gpipe", recompute="full"),
+                dict(dp=2, tp=1, pp=2, zero=1, microbatch=2, ep=2, schedule="1f1b")])
+
+
+@pytest.mark.slow
+def test_ep_inside_dp_with_zero1_and_pipeline_stages_on_eight_processes():
+    """pp=2 x dp=4 with ep=2 under ZeRO 1 (1F1B): torch's stages drive FSDP2, the expert slices' units
+    included, gathered and reduced once per step over their 2 replicas ('edp'). About 70 s."""
+    _parity(8, [{"dp": 4, "tp": 1, "pp": 2, "zero": 1, "microbatch": 1, "ep": 2, "schedule": "1f1b"}])
 
 
 # --- what-if and report rows ---------------------------------------------------------------------

@@ -82,7 +82,9 @@ def experts_text(report: Report) -> str:
     s, p = report.strategy, report.predicted
     seconds = p.breakdown.expert_all_to_all
     share = seconds / p.step_time_s if p.step_time_s else 0.0
-    groups = "the dp ranks" if s.ep == s.dp else f"groups of {s.ep} of the {s.dp} dp ranks ({s.dp // s.ep} replicas)"
+    sharded = f", ZeRO-{s.zero} sharding their states over them" if s.zero else ""
+    groups = "the dp ranks" if s.ep == s.dp else \
+        f"groups of {s.ep} of the {s.dp} dp ranks ({s.dp // s.ep} replicas{sharded})"
     return (f"ep={s.ep}: each MoE layer's experts split over {groups}, tokens sent to them and back by "
             f"all-to-all: +{seconds_text(seconds)} per step not hidden ({share:.0%} of the step)")
 
