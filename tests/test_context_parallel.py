@@ -1,0 +1,188 @@
+"""Context parallelism (cp, ring and Ulysses) on gloo processes: attention alone against one
+process's SDPA, then whole plans against one process's training (every loss to relative 1e-5, the
+gathered final weights to 1e-5, fp32) with each rank's collectives equal to the contract's closed
+form (`cp_rows`) plus the dp x cp plan's ledger ("dp" rows over dp x cp, named "dp_cp").
+
+Until the searcher emits cp plans, `cp_plan` builds them from the searcher's plan for dp' = dp x cp
+(the same ranks, micro-batches cp times larger over cp times fewer dp ranks: the same tokens per
+micro-batch), adding the "cp" mesh axis; replace it with `autopar.plan(..., strategy "cp=2")` then.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.plan_schema import MeshAxis, Plan, parse_placements
+
+from parity_harness import batches, make_plan, reference_run, run_plans, tiny_config
+
+GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
+FP32 = 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- plans ---------------------------------------------------------------------------------------
+
+def with_context_parallel(base: Plan, cp: int, kind: str) -> Plan:
+    """`base` (dp' ranks) rewritten for dp'/cp x cp: a parameter's cp placement is its dp one."""
+    s = base.strategy
+    dp = s.dp // cp
+    strategy = s.model_copy(update=dict(dp=dp, cp=cp, cp_kind=kind, microbatch=s.microbatch * cp))
+    sizes = {"pp": s.pp, "dp": dp, "cp": cp, "tp": s.tp}
+
+    def widen(text: str) -> str:
+        dp_part, tp_part = (k if d is None else f"{k}({d})" for k, d in parse_placements(text))
+        return dp_part + dp_part + tp_part
+
+    data = base.model_dump()
+    data.update(strategy=strategy.model_dump(), predicted=None,
+                mesh=[MeshAxis(name=name, size=size).model_dump() for name, size in sizes.items()],
+                stages=[dict(stage, mesh_shape={"dp": dp, "cp": cp, "tp": s.tp}) for stage in data["stages"]],
+                param_placements={k: widen(v) for k, v in base.param_placements.items()},
+                op_placements={k: widen(v) for k, v in base.op_placements.items()})
+    return Plan.model_validate(data)
+
+
+def cp_plan(family: str, overrides: dict, *, cp: int, kind: str, dp: int = 1, tp: int = 1, zero: int = 0,
+            recompute: str = "none", microbatch: int = 2) -> tuple[Plan, Plan]:
+    """(the cp plan, the searcher's dp x cp plan it was made from)."""
+    strategy = dict(dp=dp * cp, tp=tp, pp=1, zero=zero, microbatch=microbatch, recompute=recompute)
+    base = make_plan(family, overrides, strategy, dp * cp * tp, GLOBAL_BATCH)
+    return with_context_parallel(base, cp, kind), base
+
+
+# --- the ledger's closed form --------------------------------------------------------------------
+
+def cp_rows(strategy, *, layers: int, seq: int, heads: int, kv_heads: int, head_dim: int,
+            recomputed_layers: int = 0, activation_bytes: int = FP32) -> dict:
+    """{("cp", kind): (calls, bytes)} per rank per step, as the contract states it."""
+    s = strategy
+    m, b, cp = s.num_microbatches, s.microbatch, s.cp
+    token_bytes = b * (seq // cp) * head_dim * activation_bytes  # one head's share of a shard
+    q_bytes, kv_bytes = token_bytes * heads // s.tp, token_bytes * kv_heads // s.tp
+    calls = m * layers
+    repeats = m * recomputed_layers
+    if s.cp_kind == "ring":
+        per_call = 2 * (cp - 1) + 2 * (cp - 1) + 2 * cp  # forward K/V, backward K/V, dK/dV home
+        count = per_call * calls + 2 * (cp - 1) * repeats
+        return {("cp", "send"): (count, count * kv_bytes), ("cp", "recv"): (count, count * kv_bytes)}
+    forward = 2 * q_bytes + 2 * kv_bytes  # Q, K, V to head shards, the output back
+    return {("cp", "all_to_all"): (8 * calls + 4 * repeats, 2 * forward * calls + forward * repeats)}
+
+
+def expected_ledger(plan: Plan, base: Plan, config: dict) -> dict:
+    """The dp x cp plan's rows ("dp" over dp x cp is "dp_cp") with the cp rows added; under tp the
+    loss's three vocabulary-parallel reductions run over each rank's seq/cp positions (the last one
+    masked) instead of seq - 1 of the base's micro-batch."""
+    from autopar.cost_models.collectives import merge_world
+
+    s = plan.strategy
+    rows = {}
+    for r in base.predicted.collectives[0]:
+        rows[("dp_cp" if r.axis == "dp" else r.axis, r.kind)] = (r.calls, r.bytes)
+    if s.tp > 1 and ("tp", "all_reduce") in rows:
+        calls, size = rows[("tp", "all_reduce")]
+        base_b = base.strategy.microbatch
+        rows[("tp", "all_reduce")] = (calls, size + 3 * s.num_microbatches * FP32 * (s.microbatch * SEQ // s.cp
+                                                                                       - base_b * (SEQ - 1)))
+    heads, layers = config["heads"], config["layers"]
+    recomputed = layers if s.recompute == "full" else 0
+    rows.update(cp_rows(s, layers=layers, seq=SEQ, heads=heads, kv_heads=config.get("kv_heads", heads),
+                        head_dim=config["hidden"] // heads, recomputed_layers=recomputed))
+    return merge_world(rows, {axis.name: axis.size for axis in plan.mesh})
+
+
+# --- attention alone -----------------------------------------------------------------------------
+
+def attention_job(job: dict) -> dict:
+    """This rank's shard of causal attention (forward and gradients) and the whole one's, float64 inputs."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from autopar.runtime.context_parallel import ContextParallel, ring_attention, shard_positions, ulysses_attention
+
+    world, kind = dist.get_world_size(), job["kind"]
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, seq, dim = 2, 4, job["kv_heads"], 16, 8
+    q, grad = (torch.randn(batch, heads, seq, dim, generator=generator) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, seq, dim, generator=generator) for _ in range(2))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    groups = heads // kv_heads
+    out = F.scaled_dot_product_attention(whole[0], whole[1].repeat_interleave(groups, 1),
+                                         whole[2].repeat_interleave(groups, 1), is_causal=True)
+    out.backward(grad)
+    positions = shard_positions(seq, world, dist.get_rank(), kind)
+    local = [t[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
+    attend = ring_attention if kind == "ring" else ulysses_attention
+    local_out = attend(ContextParallel(world, kind, dist.get_rank(), dist.group.WORLD), *local)
+    local_out.backward(grad[:, :, positions])
+    return {"out": (local_out.detach(), out.detach()[:, :, positions]),
+            **{f"grad_{n}": (t.grad, w.grad[:, :, positions]) for n, t, w in zip("qkv", local, whole)}}
+
+
+def _attention_parity(world: int) -> None:
+    jobs = [dict(kind="ring", kv_heads=2), dict(kind="ring", kv_heads=4), dict(kind="ulysses", kv_heads=world)]
+    for job, ranks in zip(jobs, run_plans(world, jobs, runner=attention_job)):
+        for rank, result in enumerate(ranks):
+            for name, (got, want) in result.items():
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{job} rank {rank} {name}: {m}")
+
+
+def test_ring_and_ulysses_attention_match_sdpa_on_two_ranks():
+    """Causal attention over the zigzag (ring, with GQA) and contiguous (Ulysses) shards: the output and
+    the gradients of q, k and v equal one process's SDPA on the same positions (fp32, 1e-5)."""
+    _attention_parity(2)
+
+
+@pytest.mark.slow
+def test_ring_and_ulysses_attention_match_sdpa_on_four_ranks():
+    _attention_parity(4)
+
+
+def test_shard_positions_zigzag_and_contiguous():
+    from autopar.runtime.context_parallel import shard_positions
+
+    assert shard_positions(16, 2, 0, "ring").tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert shard_positions(16, 2, 1, "ring").tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert shard_positions(16, 2, 1, "ulysses").tolist() == list(range(8, 16))
+    assert sorted(sum((shard_positions(16, 4, r, "ring").tolist() for r in range(4)), [])) == list(range(16))
+
+
+# --- plans: parity and ledger --------------------------------------------------------------------
+
+def _parity(world: int, family: str, cases: list[dict]) -> None:
+    """Each case's plan trains like one process; each rank's collectives are `expected_ledger`'s."""
+    config = tiny_config(family)
+    data = batches(config["vocab"], GLOBAL_BATCH, SEQ, STEPS)
+    built = [cp_plan(family, config, **case) for case in cases]
+    jobs = [dict(plan=plan.to_json(), model=family, overrides=config, data=data) for plan, _ in built]
+    results = run_plans(world, jobs)
+    losses, state = reference_run(family, config, data)
+    for case, (plan, base), ranks in zip(cases, built, results):
+        label = ",".join(f"{k}={v}" for k, v in case.items())
+        expected = {key: (calls, round(size)) for key, (calls, size) in expected_ledger(plan, base, config).items()}
+        gathered = {}
+        for rank, result in enumerate(ranks):
+            torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{label} rank {rank} losses: {m}")
+            for name, placement in result["placements"].items():
+                assert plan.param_placements[name] == placement, (label, rank, name, placement)
+            assert result["collectives"] == expected, (label, rank, result["collectives"], expected)
+            gathered.update(result.get("state", {}))
+        assert set(gathered) == set(state), label
+        for name, value in gathered.items():
+            torch.testing.assert_close(value, state[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{label} {name}: {m}")
+
+
+def test_cp2_ring_and_ulysses_train_like_one_process():
+    """World 2: ring on GPT (learned positions), Ulysses on Llama (RoPE, GQA: 4 heads, 2 kv heads)."""
+    _parity(2, "gpt", [dict(cp=2, kind="ring")])
+    _parity(2, "llama", [dict(cp=2, kind="ulysses")])
