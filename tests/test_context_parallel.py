@@ -79,25 +79,37 @@ def cp_rows(strategy, *, layers: int, seq: int, heads: int, kv_heads: int, head_
 
 
 def expected_ledger(plan: Plan, base: Plan, config: dict) -> dict:
-    """The dp x cp plan's rows ("dp" over dp x cp is "dp_cp") with the cp rows added; under tp the
-    loss's three vocabulary-parallel reductions run over each rank's seq/cp positions (the last one
-    masked) instead of seq - 1 of the base's micro-batch."""
+    """The dp x cp plan's rows ("dp" over dp x cp is "dp_cp") with the cp rows added. Under tp, a
+    micro-batch's tokens are the base's, but two tp collectives follow the shard's seq/cp positions:
+    the loss's three vocabulary-parallel reductions run over every local position (the last one
+    masked) instead of seq - 1 per sequence, and a sharded position embedding's output, [positions,
+    hidden] per micro-batch whatever its size, is seq/cp rows instead of seq."""
     from autopar.cost_models.collectives import merge_world
 
     s = plan.strategy
     rows = {}
     for r in base.predicted.collectives[0]:
         rows[("dp_cp" if r.axis == "dp" else r.axis, r.kind)] = (r.calls, r.bytes)
-    if s.tp > 1 and ("tp", "all_reduce") in rows:
+    if s.tp > 1:
+        m, hidden = s.num_microbatches, config["hidden"]
         calls, size = rows[("tp", "all_reduce")]
-        base_b = base.strategy.microbatch
-        rows[("tp", "all_reduce")] = (calls, size + 3 * s.num_microbatches * FP32 * (s.microbatch * SEQ // s.cp
-                                                                                       - base_b * (SEQ - 1)))
+        size += 3 * m * FP32 * (s.microbatch * SEQ // s.cp - base.strategy.microbatch * (SEQ - 1))
+        rows[("tp", "all_reduce")] = (calls, size)
+        kind = {"S(0)": "all_reduce", "S(1)": "all_gather"}.get(
+            _tp_part(base.param_placements.get("pos_embed.weight", "RR")))
+        if kind is not None:
+            calls, size = rows[("tp", kind)]
+            rows[("tp", kind)] = (calls, size - m * (SEQ - SEQ // s.cp) * hidden * FP32)
     heads, layers = config["heads"], config["layers"]
     recomputed = layers if s.recompute == "full" else 0
     rows.update(cp_rows(s, layers=layers, seq=SEQ, heads=heads, kv_heads=config.get("kv_heads", heads),
                         head_dim=config["hidden"] // heads, recomputed_layers=recomputed))
     return merge_world(rows, {axis.name: axis.size for axis in plan.mesh})
+
+
+def _tp_part(placement: str) -> str:
+    kind, dim = parse_placements(placement)[-1]
+    return kind if dim is None else f"{kind}({dim})"
 
 
 # --- attention alone -----------------------------------------------------------------------------
@@ -183,6 +195,25 @@ def _parity(world: int, family: str, cases: list[dict]) -> None:
 
 
 def test_cp2_ring_and_ulysses_train_like_one_process():
-    """World 2: ring on GPT (learned positions), Ulysses on Llama (RoPE, GQA: 4 heads, 2 kv heads)."""
-    _parity(2, "gpt", [dict(cp=2, kind="ring")])
-    _parity(2, "llama", [dict(cp=2, kind="ulysses")])
+    """World 2: ring on GPT (learned positions; with full recompute, which resends the forward's
+    exchange), Ulysses on Llama (RoPE, GQA: 4 heads, 2 kv heads), ring on Llama under ZeRO-3 (FSDP2
+    over dp x cp)."""
+    _parity(2, "gpt", [dict(cp=2, kind="ring"), dict(cp=2, kind="ring", recompute="full")])
+    _parity(2, "llama", [dict(cp=2, kind="ulysses"), dict(cp=2, kind="ring", zero=3)])
+
+
+def test_cp2_with_tp2_and_with_dp2_on_four_processes():
+    """World 4: ring cp=2 x tp=2 (module-rule tp, vocabulary-parallel loss on the shards), and ring
+    dp=2 x cp=2 under ZeRO-3 with full recompute."""
+    _parity(4, "gpt", [dict(cp=2, tp=2, kind="ring"),
+                       dict(cp=2, dp=2, kind="ring", zero=3, recompute="full", microbatch=1)])
+
+
+@pytest.mark.slow
+def test_more_cp_combinations_on_four_processes():
+    """Ulysses cp=2 x tp=2 and dp=2 x cp=2 (ZeRO 0, buckets over dp x cp) on GPT; ring cp=4 with
+    full recompute and Ulysses cp=4 on GPT (4 heads, 4 kv heads); ring dp=2 x cp=2 on Llama."""
+    _parity(4, "gpt", [dict(cp=2, tp=2, kind="ulysses"), dict(cp=2, dp=2, kind="ulysses", microbatch=1),
+                       dict(cp=4, kind="ring", recompute="full", microbatch=1),
+                       dict(cp=4, kind="ulysses", microbatch=1)])
+    _parity(4, "llama", [dict(cp=2, dp=2, kind="ring", microbatch=1)])
