@@ -25,6 +25,8 @@ takes (`RankLayout.gradient_mesh`), is the micro-batch's mean.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from autopar.runtime.expert_parallel import _all_to_all
 
@@ -69,8 +73,7 @@ def context_parallel_problem(model: nn.Module, strategy, seq_len: int | None = N
         return "context-parallel attention has no dropout: build the model with dropout=0"
     for knob, refusal in ((s.pp > 1, "pipeline stages (pp > 1)"), (s.sp, "sequence parallelism (sp)"),
                           (s.ep > 1, "expert parallelism (ep > 1)"), (s.zero in (1, 2), f"ZeRO {s.zero}"),
-                          (s.offload != "none", "optimizer offload"),
-                          (s.recompute == "selective", "selective recompute")):
+                          (s.offload != "none", "optimizer offload")):
         if knob:
             return f"context parallelism (cp={s.cp}) does not run with {refusal} yet: leave it out with cp > 1"
     if loss_fn is not None and loss_fn is not lm_loss:
@@ -122,10 +125,10 @@ def apply_context_parallel(module: nn.Module, layout, strategy) -> ContextParall
     from autopar.models.gpt import CausalSelfAttention
 
     context = ContextParallel(strategy.cp, strategy.cp_kind, layout.cp_rank, layout.group("cp"))
-    attend = ring_attention if context.kind == "ring" else ulysses_attention
     for sub in module.modules():
         if isinstance(sub, CausalSelfAttention):
-            sub.attend = functools.partial(attend, context)
+            sub.attend = (functools.partial(ring_attention, context, kept=collections.deque())
+                          if context.kind == "ring" else functools.partial(ulysses_attention, context))
     return context
 
 
@@ -175,76 +178,116 @@ def _fold_kv(tensor: torch.Tensor, groups: int) -> torch.Tensor:
     return tensor.view(batch, heads // groups, groups, seq, dim).sum(2)
 
 
+def _selective_pass() -> str | None:
+    """"forward" or "recompute" inside a layer under selective recompute (`runtime.recompute`), else None.
+
+    Selective recompute keeps attention's results and resends no collective (as it keeps SDPA's and
+    the functional collectives'); a ring block's exchange is plain P2P, which torch's selective
+    checkpoint would replay. So the ring's forward runs beside the checkpoint's caching mode (its
+    ops neither cached nor counted there), keeps its output and log-sum-exp, and the recompute takes
+    them back instead of computing and sending again. The modes are torch's (2.11-2.13) own."""
+    mode = _get_current_dispatch_mode()
+    if isinstance(mode, _CachingTorchDispatchMode):
+        return "forward"
+    if isinstance(mode, _CachedTorchDispatchMode):
+        return "recompute"
+    return None
+
+
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over every cp rank's keys (see the module docstring)."""
+    """Causal attention of this rank's queries over every cp rank's keys (see the module docstring).
+    `kept`: this attention's (output, log-sum-exp) between a selective forward and its recompute."""
 
     @staticmethod
-    def forward(ctx, q, k, v, context: ContextParallel):
-        cp, rank = context.cp, context.rank
-        seq_len = q.shape[2] * cp
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        groups = q.shape[1] // k.shape[1]
-        q_pos = shard_positions(seq_len, cp, rank, "ring").to(q.device)
-        block_k, block_v = k, v
-        lse = out = None
-        for step in range(cp):
-            pending = _start_exchange([block_k, block_v], context) if step < cp - 1 else None
-            owner = (rank - step) % cp
-            k_pos = shard_positions(seq_len, cp, owner, "ring").to(q.device)
-            scores = _block_scores(q, _expand_kv(block_k, groups), q_pos, k_pos, scale)
-            block_lse = torch.logsumexp(scores, dim=-1)
-            # the first block is this rank's own: every query sees itself, so the lse is finite from there on
-            new_lse = block_lse if lse is None else torch.logaddexp(lse, block_lse)
-            weights = torch.exp(scores - new_lse[..., None])
-            block_out = torch.matmul(weights, _expand_kv(block_v, groups).float())
-            out = block_out if out is None else out * torch.exp(lse - new_lse)[..., None] + block_out
-            lse = new_lse
-            if pending is not None:
-                (block_k, block_v), requests = pending
-                _finish(requests)
-        out = out.to(q.dtype)
+    def forward(ctx, q, k, v, context: ContextParallel, kept: collections.deque):
+        selective = _selective_pass()
+        if selective == "recompute":
+            if not kept:
+                raise RuntimeError("ring attention recomputed without a kept forward: the checkpointed layer ran "
+                                   "its forward and recompute in different orders")
+            out, lse = kept.popleft()
+        else:
+            with _pop_mode_temporarily() if selective == "forward" else contextlib.nullcontext():
+                out, lse = _ring_forward(q, k, v, context)
+            if selective == "forward":
+                kept.append((out, lse))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.context, ctx.scale, ctx.groups = context, scale, groups
+        ctx.context, ctx.scale, ctx.groups = context, 1.0 / math.sqrt(q.shape[-1]), q.shape[1] // k.shape[1]
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        context, scale, groups = ctx.context, ctx.scale, ctx.groups
-        cp, rank = context.cp, context.rank
-        seq_len = q.shape[2] * cp
-        q_pos = shard_positions(seq_len, cp, rank, "ring").to(q.device)
-        grad_out = grad_out.float()
-        delta = (grad_out * out.float()).sum(-1, keepdim=True)  # rowsum(dO · O)
-        grad_q = torch.zeros_like(q, dtype=torch.float32)
-        block_k, block_v = k, v
-        grad_k = grad_v = None  # the accumulators travelling with the block (K/V's dtype)
-        for step in range(cp):
-            pending = _start_exchange([block_k, block_v], context) if step < cp - 1 else None
-            owner = (rank - step) % cp
-            k_pos = shard_positions(seq_len, cp, owner, "ring").to(q.device)
-            wide_k, wide_v = _expand_kv(block_k, groups).float(), _expand_kv(block_v, groups).float()
-            probs = torch.exp(_block_scores(q, wide_k, q_pos, k_pos, scale) - lse[..., None])
-            grad_probs = torch.matmul(grad_out, wide_v.transpose(-1, -2))
-            grad_scores = probs * (grad_probs - delta) * scale
-            grad_q += torch.matmul(grad_scores, wide_k)
-            block_grad_k = _fold_kv(torch.matmul(grad_scores.transpose(-1, -2), q.float()), groups)
-            block_grad_v = _fold_kv(torch.matmul(probs.transpose(-1, -2), grad_out), groups)
-            if grad_k is not None:  # what the block's earlier holders added, received last step
-                block_grad_k, block_grad_v = block_grad_k + grad_k.float(), block_grad_v + grad_v.float()
-            grad_k, grad_v = block_grad_k.to(k.dtype), block_grad_v.to(v.dtype)
-            # the accumulators move on with their block: the cp-th send brings them home
-            (grad_k, grad_v), accumulators = _start_exchange([grad_k, grad_v], context, first_tag=2)
-            if pending is not None:
-                (block_k, block_v), requests = pending
-                _finish(requests)
-            _finish(accumulators)
-        return grad_q.to(q.dtype), grad_k, grad_v, None
+        return (*_ring_backward(ctx, grad_out), None, None)
 
 
-def ring_attention(context: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The zoo attention's `attend` under ring cp: q [batch, heads, seq/cp, dim], k/v with kv heads."""
-    return RingAttention.apply(q, k, v, context)
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ContextParallel
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in q's dtype, fp32 log-sum-exp per query) over the K/V blocks as they come round."""
+    cp, rank = context.cp, context.rank
+    seq_len = q.shape[2] * cp
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    groups = q.shape[1] // k.shape[1]
+    q_pos = shard_positions(seq_len, cp, rank, "ring").to(q.device)
+    block_k, block_v = k, v
+    lse = out = None
+    for step in range(cp):
+        pending = _start_exchange([block_k, block_v], context) if step < cp - 1 else None
+        owner = (rank - step) % cp
+        k_pos = shard_positions(seq_len, cp, owner, "ring").to(q.device)
+        scores = _block_scores(q, _expand_kv(block_k, groups), q_pos, k_pos, scale)
+        block_lse = torch.logsumexp(scores, dim=-1)
+        # the first block is this rank's own: every query sees itself, so the lse is finite from there on
+        new_lse = block_lse if lse is None else torch.logaddexp(lse, block_lse)
+        weights = torch.exp(scores - new_lse[..., None])
+        block_out = torch.matmul(weights, _expand_kv(block_v, groups).float())
+        out = block_out if out is None else out * torch.exp(lse - new_lse)[..., None] + block_out
+        lse = new_lse
+        if pending is not None:
+            (block_k, block_v), requests = pending
+            _finish(requests)
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv): K/V go round again, their gradient accumulators with them and home at the end."""
+    q, k, v, out, lse = ctx.saved_tensors
+    context, scale, groups = ctx.context, ctx.scale, ctx.groups
+    cp, rank = context.cp, context.rank
+    seq_len = q.shape[2] * cp
+    q_pos = shard_positions(seq_len, cp, rank, "ring").to(q.device)
+    grad_out = grad_out.float()
+    delta = (grad_out * out.float()).sum(-1, keepdim=True)  # rowsum(dO · O)
+    grad_q = torch.zeros_like(q, dtype=torch.float32)
+    block_k, block_v = k, v
+    grad_k = grad_v = None  # the accumulators travelling with the block (K/V's dtype)
+    for step in range(cp):
+        pending = _start_exchange([block_k, block_v], context) if step < cp - 1 else None
+        owner = (rank - step) % cp
+        k_pos = shard_positions(seq_len, cp, owner, "ring").to(q.device)
+        wide_k, wide_v = _expand_kv(block_k, groups).float(), _expand_kv(block_v, groups).float()
+        probs = torch.exp(_block_scores(q, wide_k, q_pos, k_pos, scale) - lse[..., None])
+        grad_probs = torch.matmul(grad_out, wide_v.transpose(-1, -2))
+        grad_scores = probs * (grad_probs - delta) * scale
+        grad_q += torch.matmul(grad_scores, wide_k)
+        block_grad_k = _fold_kv(torch.matmul(grad_scores.transpose(-1, -2), q.float()), groups)
+        block_grad_v = _fold_kv(torch.matmul(probs.transpose(-1, -2), grad_out), groups)
+        if grad_k is not None:  # what the block's earlier holders added, received last step
+            block_grad_k, block_grad_v = block_grad_k + grad_k.float(), block_grad_v + grad_v.float()
+        grad_k, grad_v = block_grad_k.to(k.dtype), block_grad_v.to(v.dtype)
+        # the accumulators move on with their block: the cp-th send brings them home
+        (grad_k, grad_v), accumulators = _start_exchange([grad_k, grad_v], context, first_tag=2)
+        if pending is not None:
+            (block_k, block_v), requests = pending
+            _finish(requests)
+        _finish(accumulators)
+    return grad_q.to(q.dtype), grad_k, grad_v
+
+
+def ring_attention(context: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   kept: collections.deque | None = None) -> torch.Tensor:
+    """The zoo attention's `attend` under ring cp: q [batch, heads, seq/cp, dim], k/v with kv heads.
+    `kept`: one per attention module, for selective recompute (see `_selective_pass`)."""
+    return RingAttention.apply(q, k, v, context, collections.deque() if kept is None else kept)
 
 
 # --- Ulysses -------------------------------------------------------------------------------------

@@ -196,10 +196,13 @@ def _parity(world: int, family: str, cases: list[dict]) -> None:
 
 def test_cp2_ring_and_ulysses_train_like_one_process():
     """World 2: ring on GPT (learned positions; with full recompute, which resends the forward's
-    exchange), Ulysses on Llama (RoPE, GQA: 4 heads, 2 kv heads), ring on Llama under ZeRO-3 (FSDP2
+    exchange, and selective, which keeps attention's results and resends nothing), Ulysses on Llama
+    (RoPE, GQA: 4 heads, 2 kv heads; with selective recompute), ring on Llama under ZeRO-3 (FSDP2
     over dp x cp)."""
-    _parity(2, "gpt", [dict(cp=2, kind="ring"), dict(cp=2, kind="ring", recompute="full")])
-    _parity(2, "llama", [dict(cp=2, kind="ulysses"), dict(cp=2, kind="ring", zero=3)])
+    _parity(2, "gpt", [dict(cp=2, kind="ring"), dict(cp=2, kind="ring", recompute="full"),
+                       dict(cp=2, kind="ring", recompute="selective")])
+    _parity(2, "llama", [dict(cp=2, kind="ulysses"), dict(cp=2, kind="ulysses", recompute="selective"),
+                         dict(cp=2, kind="ring", zero=3)])
 
 
 def test_cp2_with_tp2_and_with_dp2_on_four_processes():
@@ -253,7 +256,7 @@ def test_what_context_parallelism_refuses_is_one_line_each():
     assert "pipeline stages" in problem(pp=2)
     assert "sequence parallelism" in problem(tp=2, sp=True)
     assert "ZeRO 1" in problem(zero=1)
-    assert "selective recompute" in problem(recompute="selective")
+    assert problem(recompute="selective") is None
     assert "cp must divide both" in problem("llama", tp=2, cp_kind="ulysses")  # 1 kv head per tp rank
     assert "not divisible by 4" in problem(seq_len=14)
     assert "dense models only" in problem(config=tiny_config(moe_experts=4))
@@ -269,8 +272,8 @@ def test_a_hand_edited_cp_plan_is_checked_against_the_model(run_plan_file):
 
     plan = Plan.from_json(run_plan_file.read_text())
     assert plan_problem_for_model(plan, build_model("gpt", RUN_CONFIG).module) is None
-    selective = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"recompute": "selective"})})
-    assert "selective recompute" in plan_problem_for_model(selective, build_model("gpt", RUN_CONFIG).module)
+    sp = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"tp": 2, "sp": True})})
+    assert "sequence parallelism (sp)" in plan_problem_for_model(sp, build_model("gpt", RUN_CONFIG).module)
 
 
 def test_run_refuses_checkpoints_under_cp_before_starting(tmp_path, capsys, run_plan_file):
