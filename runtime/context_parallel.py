@@ -207,7 +207,9 @@ class RingAttention(torch.autograd.Function):
                                    "its forward and recompute in different orders")
             out, lse = kept.popleft()
         else:
-            with _pop_mode_temporarily() if selective == "forward" else contextlib.nullcontext():
+            # fp32 scores and log-sum-exp whatever autocast would choose for the matmuls
+            with _pop_mode_temporarily() if selective == "forward" else contextlib.nullcontext(), \
+                    torch.autocast(q.device.type, enabled=False):
                 out, lse = _ring_forward(q, k, v, context)
             if selective == "forward":
                 kept.append((out, lse))
@@ -217,7 +219,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*_ring_backward(ctx, grad_out), None, None)
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return (*_ring_backward(ctx, grad_out), None, None)
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ContextParallel

@@ -212,6 +212,42 @@ def test_cp2_with_tp2_and_with_dp2_on_four_processes():
                        dict(cp=2, dp=2, kind="ring", zero=3, recompute="full", microbatch=1)])
 
 
+def bf16_job(job: dict) -> dict:
+    """Two steps under bf16 autocast; the last step's collectives."""
+    from autopar.models import build_model
+    from autopar.runtime.collectives import CollectiveCounter, group_axes
+    from autopar.runtime.parallelize import parallelize
+
+    from parity_harness import SEED, make_optimizer
+
+    spec = build_model(job["model"], job["overrides"])
+    parallel = parallelize(spec.module, Plan.from_json(job["plan"]), loss_fn=spec.loss_fn, seed=SEED,
+                           precision="bf16")
+    optimizer = make_optimizer(parallel.parameters())
+    losses = [parallel.train_step(job["data"][0], optimizer)]
+    with CollectiveCounter(group_axes(parallel)) as counter:
+        losses.append(parallel.train_step(job["data"][1], optimizer))
+    return {"losses": losses, "collectives": counter.counts.as_rows()}
+
+
+def test_cp_sends_bf16_activations_under_bf16_autocast():
+    """Under bf16 autocast K/V blocks, their gradient accumulators and Ulysses' all-to-alls move 2 bytes
+    per element (the contract's activation bytes); the loss stays near fp32's one-process loss."""
+    config = tiny_config("llama")
+    data = batches(config["vocab"], GLOBAL_BATCH, SEQ, 2)
+    cases = [dict(cp=2, kind="ring"), dict(cp=2, kind="ulysses")]
+    plans = [cp_plan("llama", config, **case)[0] for case in cases]
+    results = run_plans(2, [dict(plan=p.to_json(), model="llama", overrides=config, data=data) for p in plans],
+                        runner=bf16_job)
+    losses, _ = reference_run("llama", config, data)
+    for plan, ranks in zip(plans, results):
+        want = cp_rows(plan.strategy, layers=config["layers"], seq=SEQ, heads=config["heads"],
+                       kv_heads=config["kv_heads"], head_dim=config["hidden"] // config["heads"], activation_bytes=2)
+        for result in ranks:
+            assert {k: v for k, v in result["collectives"].items() if k[0] == "cp" and k[1] != "all_reduce"} == want
+            torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=2e-2, atol=0)
+
+
 @pytest.mark.slow
 def test_more_cp_combinations_on_four_processes():
     """Ulysses cp=2 x tp=2 and dp=2 x cp=2 (ZeRO 0, buckets over dp x cp) on GPT; ring cp=4 with
