@@ -159,13 +159,6 @@ def _finish(in_flight) -> None:
         request.wait()
 
 
-def _block_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """fp32 scores of q over one K block, -inf where the key follows the query."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    return scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-
-
 def _expand_kv(tensor: torch.Tensor, groups: int) -> torch.Tensor:
     return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=1)
 
@@ -223,28 +216,49 @@ class RingAttention(torch.autograd.Function):
             return (*_ring_backward(ctx, grad_out), None, None)
 
 
+def _visible(rank: int, owner: int, chunk: int) -> tuple[slice, slice, bool]:
+    """(this rank's query rows, the block's key rows, whether the causal mask cuts inside them):
+    what can meet when rank `rank`'s queries (chunks r, 2cp-1-r) see rank `owner`'s keys. An earlier
+    rank's block is seen whole through its first chunk only, a later rank's by the second query
+    chunk only: half a block each, unmasked (the zigzag's balance); its own block needs the mask."""
+    if owner == rank:
+        return slice(None), slice(None), True
+    if owner < rank:
+        return slice(None), slice(0, chunk), False
+    return slice(chunk, None), slice(None), False
+
+
+def _block_scores(q, k, q_pos, k_pos, scale, masked):
+    """fp32 scores of q over K rows, -inf where the key follows the query (when `masked`)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf")) if masked else scores
+
+
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ContextParallel
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in q's dtype, fp32 log-sum-exp per query) over the K/V blocks as they come round."""
     cp, rank = context.cp, context.rank
-    seq_len = q.shape[2] * cp
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    groups = q.shape[1] // k.shape[1]
+    chunk, seq_len = q.shape[2] // 2, q.shape[2] * cp
+    scale, groups = 1.0 / math.sqrt(q.shape[-1]), q.shape[1] // k.shape[1]
     q_pos = shard_positions(seq_len, cp, rank, "ring").to(q.device)
     block_k, block_v = k, v
     lse = out = None
     for step in range(cp):
         pending = _start_exchange([block_k, block_v], context) if step < cp - 1 else None
         owner = (rank - step) % cp
-        k_pos = shard_positions(seq_len, cp, owner, "ring").to(q.device)
-        scores = _block_scores(q, _expand_kv(block_k, groups), q_pos, k_pos, scale)
-        block_lse = torch.logsumexp(scores, dim=-1)
-        # the first block is this rank's own: every query sees itself, so the lse is finite from there on
-        new_lse = block_lse if lse is None else torch.logaddexp(lse, block_lse)
-        weights = torch.exp(scores - new_lse[..., None])
-        block_out = torch.matmul(weights, _expand_kv(block_v, groups).float())
-        out = block_out if out is None else out * torch.exp(lse - new_lse)[..., None] + block_out
-        lse = new_lse
+        rows, keys, masked = _visible(rank, owner, chunk)
+        k_pos = shard_positions(seq_len, cp, owner, "ring").to(q.device)[keys]
+        scores = _block_scores(q[:, :, rows], _expand_kv(block_k[:, :, keys], groups), q_pos[rows],
+                                          k_pos, scale, masked)
+        values = _expand_kv(block_v[:, :, keys], groups).float()
+        if out is None:  # this rank's own block first: every query sees itself, so the lse is finite
+            lse = torch.logsumexp(scores, dim=-1)
+            out = torch.matmul(torch.exp(scores - lse[..., None]), values)
+        else:  # merge by log-sum-exp (fp32), only the rows this block reaches
+            merged = torch.logaddexp(lse[:, :, rows], torch.logsumexp(scores, dim=-1))
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
+                               + torch.matmul(torch.exp(scores - merged[..., None]), values))
+            lse[:, :, rows] = merged
         if pending is not None:
             (block_k, block_v), requests = pending
             _finish(requests)
@@ -252,11 +266,12 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: Co
 
 
 def _ring_backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv): K/V go round again, their gradient accumulators with them and home at the end."""
+    """(dq, dk, dv): K/V go round again, their gradient accumulators with them and home at the end;
+    each block's probabilities recomputed from the saved log-sum-exp."""
     q, k, v, out, lse = ctx.saved_tensors
     context, scale, groups = ctx.context, ctx.scale, ctx.groups
     cp, rank = context.cp, context.rank
-    seq_len = q.shape[2] * cp
+    chunk, seq_len = q.shape[2] // 2, q.shape[2] * cp
     q_pos = shard_positions(seq_len, cp, rank, "ring").to(q.device)
     grad_out = grad_out.float()
     delta = (grad_out * out.float()).sum(-1, keepdim=True)  # rowsum(dO · O)
@@ -266,19 +281,24 @@ def _ring_backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     for step in range(cp):
         pending = _start_exchange([block_k, block_v], context) if step < cp - 1 else None
         owner = (rank - step) % cp
-        k_pos = shard_positions(seq_len, cp, owner, "ring").to(q.device)
-        wide_k, wide_v = _expand_kv(block_k, groups).float(), _expand_kv(block_v, groups).float()
-        probs = torch.exp(_block_scores(q, wide_k, q_pos, k_pos, scale) - lse[..., None])
-        grad_probs = torch.matmul(grad_out, wide_v.transpose(-1, -2))
-        grad_scores = probs * (grad_probs - delta) * scale
-        grad_q += torch.matmul(grad_scores, wide_k)
-        block_grad_k = _fold_kv(torch.matmul(grad_scores.transpose(-1, -2), q.float()), groups)
-        block_grad_v = _fold_kv(torch.matmul(probs.transpose(-1, -2), grad_out), groups)
+        rows, keys, masked = _visible(rank, owner, chunk)
+        k_pos = shard_positions(seq_len, cp, owner, "ring").to(q.device)[keys]
+        wide_k = _expand_kv(block_k[:, :, keys], groups).float()
+        wide_v = _expand_kv(block_v[:, :, keys], groups).float()
+        q_rows, grad_rows = q[:, :, rows].float(), grad_out[:, :, rows]
+        probs = torch.exp(_block_scores(q_rows, wide_k, q_pos[rows], k_pos, scale, masked)
+                          - lse[:, :, rows, None])
+        grad_scores = probs * (torch.matmul(grad_rows, wide_v.transpose(-1, -2)) - delta[:, :, rows]) * scale
+        grad_q[:, :, rows] += torch.matmul(grad_scores, wide_k)
+        block_grad_k = torch.zeros_like(block_k, dtype=torch.float32)
+        block_grad_v = torch.zeros_like(block_v, dtype=torch.float32)
+        block_grad_k[:, :, keys] = _fold_kv(torch.matmul(grad_scores.transpose(-1, -2), q_rows), groups)
+        block_grad_v[:, :, keys] = _fold_kv(torch.matmul(probs.transpose(-1, -2), grad_rows), groups)
         if grad_k is not None:  # what the block's earlier holders added, received last step
             block_grad_k, block_grad_v = block_grad_k + grad_k.float(), block_grad_v + grad_v.float()
-        grad_k, grad_v = block_grad_k.to(k.dtype), block_grad_v.to(v.dtype)
-        # the accumulators move on with their block: the cp-th send brings them home
-        (grad_k, grad_v), accumulators = _start_exchange([grad_k, grad_v], context, first_tag=2)
+        # the accumulators move on with their block (K/V's dtype): the cp-th send brings them home
+        (grad_k, grad_v), accumulators = _start_exchange([block_grad_k.to(k.dtype), block_grad_v.to(v.dtype)],
+                                                         context, first_tag=2)
         if pending is not None:
             (block_k, block_v), requests = pending
             _finish(requests)
