@@ -36,7 +36,7 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
 
         inputs = plan.model_inputs
         problem = context_parallel_problem(model, s, inputs[0].shape[0] if inputs and len(inputs[0].shape) == 1
-                                           else None)
+                                           else None, tp_realization=plan.tp_realization)
         if problem:
             return problem
     hints = model_hints(model)

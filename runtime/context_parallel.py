@@ -9,9 +9,13 @@ What a cp rank holds and sends, per micro-batch (as `cost_models.collectives` pr
   The backward rotates K and V again (cp-1 rounds) and sends the dK and dV accumulators along
   with them, cp times, the last bringing them home; it recomputes each block's probabilities
   from the saved log-sum-exp (as FlashAttention's backward does), so no block's scores are kept.
+  Of another rank's block only the half the causal mask leaves is computed (`_visible`).
 - ulysses (`cp_kind="ulysses"`): the sequence is cut into cp contiguous chunks. Q, K and V go
   from sequence shards to head shards by all-to-all, attention runs on the whole sequence for
   heads/cp heads, and the output goes back by a fourth; their backward is the transposed four.
+- recompute: a fully recomputed layer repeats its forward's exchange (cp-1 K/V rounds, or the four
+  all-to-alls) in backward; selective recompute keeps attention's results and repeats none (the
+  all-to-alls are saved functional collectives, the ring keeps its output, `_selective_pass`).
 The causal mask follows the tokens' global positions, which the zoo models also read for their
 position embeddings (`position_ids`, set here per micro-batch). The zoo's attention calls
 `attend(q, k, v)`; `apply_context_parallel` replaces it per instance, so a model outside a cp
@@ -55,8 +59,10 @@ def shard_positions(seq_len: int, cp: int, rank: int, kind: str) -> torch.Tensor
     return torch.cat((torch.arange(first, first + chunk), torch.arange(second, second + chunk)))
 
 
-def context_parallel_problem(model: nn.Module, strategy, seq_len: int | None = None, loss_fn=None) -> str | None:
-    """Why `strategy`'s context parallelism cannot run on `model` (before any collective), or None."""
+def context_parallel_problem(model: nn.Module, strategy, seq_len: int | None = None, loss_fn=None,
+                             tp_realization: str = "modules") -> str | None:
+    """Why `strategy`'s context parallelism cannot run on `model` (before any collective), or None:
+    what the parity tests cover is what runs (tests/test_context_parallel.py)."""
     from autopar.models import lm_loss
     from autopar.models.gpt import GPT, CausalSelfAttention
     from autopar.models.llama import Llama
@@ -76,6 +82,8 @@ def context_parallel_problem(model: nn.Module, strategy, seq_len: int | None = N
                           (s.offload != "none", "optimizer offload")):
         if knob:
             return f"context parallelism (cp={s.cp}) does not run with {refusal} yet: leave it out with cp > 1"
+    if s.tp > 1 and tp_realization != "modules":
+        return "context parallelism runs with the module rules' tensor parallelism, not DTensor's"
     if loss_fn is not None and loss_fn is not lm_loss:
         return "context parallelism computes the zoo's next-token loss (autopar.models.lm_loss) on sequence shards"
     heads, kv_heads = config.heads // s.tp, config.num_kv_heads // s.tp

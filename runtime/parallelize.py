@@ -293,7 +293,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         )
     s = plan.strategy
     unsupported = (plan_refusal(model, plan) or (expert_parallel_problem(model, s.ep) if s.ep > 1 else None)
-                   or context_parallel_problem(model, s, _sequence_length(plan), loss_fn))
+                   or context_parallel_problem(model, s, _sequence_length(plan), loss_fn, plan.tp_realization))
     if unsupported:
         raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
     cut = None

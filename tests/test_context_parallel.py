@@ -298,6 +298,9 @@ def test_what_context_parallelism_refuses_is_one_line_each():
     assert "dense models only" in problem(config=tiny_config(moe_experts=4))
     assert "no dropout" in problem(config=tiny_config(dropout=0.1))
     assert "lm_loss" in problem(loss_fn=lambda logits, ids: logits.sum())
+    strategy = Strategy(dp=1, tp=2, pp=1, microbatch=2, num_microbatches=1, cp=2)
+    assert "not DTensor's" in context_parallel_problem(build_model("gpt", tiny_config()).module, strategy,
+                                                       tp_realization="dtensor")
     assert "zoo's gpt and llama" in context_parallel_problem(torch.nn.Linear(2, 2), Strategy(
         dp=1, tp=1, pp=1, microbatch=1, num_microbatches=1, cp=2))
 
