@@ -2,8 +2,9 @@
 
 Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel (module
 rules, or DTensor through the model's forward, as the plan's `tp_realization` says) → context
-parallel (attention over sequence shards) → recompute → FSDP/ZeRO (over dp x cp) → expert parallel (each rank's experts kept, all-to-alls around them) → materialize local
-shards → schedule → dp gradient buckets (zero 0; expert gradients over their replicas). Tensor parallelism comes before FSDP
+parallel (attention over sequence shards) → recompute → FSDP/ZeRO (over dp x cp) → expert parallel
+(each rank's experts kept, all-to-alls around them) → materialize local shards → schedule → dp
+(x cp) gradient buckets (zero 0; expert gradients over their replicas). Tensor parallelism comes before FSDP
 so FSDP shards the DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside
 the checkpointed forward; materialization last, so every rank only ever allocates its shards.
 """

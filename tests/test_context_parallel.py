@@ -195,14 +195,20 @@ def _parity(world: int, family: str, cases: list[dict]) -> None:
 
 
 def test_cp2_ring_and_ulysses_train_like_one_process():
-    """World 2: ring on GPT (learned positions; with full recompute, which resends the forward's
-    exchange, and selective, which keeps attention's results and resends nothing), Ulysses on Llama
-    (RoPE, GQA: 4 heads, 2 kv heads; with selective recompute), ring on Llama under ZeRO-3 (FSDP2
-    over dp x cp)."""
-    _parity(2, "gpt", [dict(cp=2, kind="ring"), dict(cp=2, kind="ring", recompute="full"),
-                       dict(cp=2, kind="ring", recompute="selective")])
+    """World 2 on GPT (learned positions): ring, ring with selective recompute (attention's results
+    kept, nothing resent), Ulysses with full recompute (the forward's four all-to-alls resent)."""
+    _parity(2, "gpt", [dict(cp=2, kind="ring"), dict(cp=2, kind="ring", recompute="selective"),
+                       dict(cp=2, kind="ulysses", recompute="full")])
+
+
+@pytest.mark.slow
+def test_cp2_on_llama_and_with_full_recompute():
+    """World 2: Ulysses on Llama (RoPE, GQA: 4 heads, 2 kv heads) plain and with selective recompute,
+    ring on Llama under ZeRO-3 (FSDP2 over dp x cp); ring on GPT with full recompute (the forward's
+    K/V rounds resent)."""
     _parity(2, "llama", [dict(cp=2, kind="ulysses"), dict(cp=2, kind="ulysses", recompute="selective"),
                          dict(cp=2, kind="ring", zero=3)])
+    _parity(2, "gpt", [dict(cp=2, kind="ring", recompute="full")])
 
 
 def test_cp2_with_tp2_and_with_dp2_on_four_processes():
@@ -230,6 +236,7 @@ def bf16_job(job: dict) -> dict:
     return {"losses": losses, "collectives": counter.counts.as_rows()}
 
 
+@pytest.mark.slow
 def test_cp_sends_bf16_activations_under_bf16_autocast():
     """Under bf16 autocast K/V blocks, their gradient accumulators and Ulysses' all-to-alls move 2 bytes
     per element (the contract's activation bytes); the loss stays near fp32's one-process loss."""
