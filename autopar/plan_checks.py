@@ -31,6 +31,14 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
         problem = expert_parallel_problem(model, s.ep)
         if problem:
             return problem
+    if s.cp > 1:
+        from autopar.runtime.context_parallel import context_parallel_problem
+
+        inputs = plan.model_inputs
+        problem = context_parallel_problem(model, s, inputs[0].shape[0] if inputs and len(inputs[0].shape) == 1
+                                           else None, tp_realization=plan.tp_realization)
+        if problem:
+            return problem
     hints = model_hints(model)
     if hints["heads"] and hints["heads"] % s.tp:
         return f"tp={s.tp} does not divide the model's {hints['heads']} attention heads"

@@ -20,7 +20,7 @@ from autopar.io import atomic_write_text
 from autopar.validation import condense_validation_error, one_line
 
 PLAN_SCHEMA_VERSION = 1
-MESH_ORDER = ("pp", "dp", "tp")  # the runtime's device mesh, row-major (runtime/mesh.py)
+MESH_ORDER = ("pp", "dp", "cp", "tp")  # the runtime's device mesh, row-major (runtime/mesh.py); cp only when cp > 1
 
 _PLACEMENT = re.compile(r"R|P|S\((\d+)\)")
 
@@ -252,9 +252,9 @@ class Plan(_Record):
             )
         order = [axis.name for axis in self.mesh]
         if any(name not in MESH_ORDER for name in order) or order != [a for a in MESH_ORDER if a in order]:
-            raise ValueError(f"mesh {shape}: the axes are pp, dp and tp, in that order (row-major, tp innermost), "
+            raise ValueError(f"mesh {shape}: the axes are pp, dp, cp and tp, in that order (row-major, tp innermost), "
                              f"each at most once")
-        for knob in ("dp", "tp", "pp"):
+        for knob in ("dp", "tp", "pp", "cp"):
             if sizes.get(knob, 1) != getattr(self.strategy, knob):
                 raise ValueError(f"mesh axis {knob}={sizes.get(knob, 1)} but strategy.{knob}={getattr(self.strategy, knob)}")
         expected_stages = self.strategy.pp * self.strategy.vp

@@ -1,7 +1,7 @@
 """Plan execution on torch.distributed: one module per concern, composed by `parallelize`.
 
-mesh (DeviceMesh and this rank's stages), tensor_parallel (DTensor TP/SP), data_parallel (dp
-gradient sync, FSDP2 for ZeRO 1-3), pipeline (stages and schedules), recompute, precision, init
+mesh (DeviceMesh and this rank's stages), tensor_parallel (DTensor TP/SP), context_parallel
+(sequence shards: ring and Ulysses attention), data_parallel (dp gradient sync, FSDP2 for ZeRO 1-3), pipeline (stages and schedules), recompute, precision, init
 (sharding-independent initialization of local shards), parallelize (the composition and the step).
 """
 

@@ -68,12 +68,14 @@ def _nbytes(value) -> int:
 class CollectiveCounter(TorchDispatchMode):
     """Within `with CollectiveCounter(axes) as counter:`, every collective lands in `counter.counts`.
 
-    `axes` maps the set of global ranks a group spans to its axis ("dp", "tp", "pp", "world"):
+    `axes` maps the set of global ranks a group spans to its axis ("dp", "tp", "pp", "cp", "world"):
     groups are matched by their members, since sub-meshes may hold their own communicators for
-    the same ranks. A group not listed is counted under "other", so nothing goes unseen.
+    the same ranks. A key that is a group's name instead names that one communicator, ahead of its
+    members: the dp x cp gradient group ("dp_cp") spans the same ranks as cp alone when dp = 1.
+    A group not listed is counted under "other", so nothing goes unseen.
     """
 
-    def __init__(self, axes: dict[frozenset[int], str]) -> None:
+    def __init__(self, axes: dict[frozenset[int] | str, str]) -> None:
         super().__init__()
         self.axes = axes
         self.counts = CollectiveCounts()
@@ -106,6 +108,8 @@ class CollectiveCounter(TorchDispatchMode):
         if group is None:
             return "other"
         name = group.group_name
+        if name in self.axes:
+            return self.axes[name]
         if name not in self._members:
             self._members[name] = frozenset(dist.get_process_group_ranks(group))
         return self.axes.get(self._members[name], "other")
@@ -119,7 +123,7 @@ def _is_group(value: torch.ScriptObject) -> bool:
     return True
 
 
-def group_axes(parallel) -> dict[frozenset[int], str]:
+def group_axes(parallel) -> dict[frozenset[int] | str, str]:
     """The ranks of this rank's mesh-axis groups, tied-weight groups and the world, to their axis.
 
     A mesh axis spanning the whole world shares the world's ranks: its name wins (the cost model's
@@ -130,6 +134,8 @@ def group_axes(parallel) -> dict[frozenset[int], str]:
         axes.update(parallel.expert_groups.axes)
     for _, group, _ in parallel.tied_groups:  # tied embedding and head: a sum across pipeline ranks
         axes[frozenset(dist.get_process_group_ranks(group))] = "pp"
-    for axis in ("pp", "dp", "tp"):
+    for axis in ("pp", "dp", "cp", "tp"):
         axes[frozenset(dist.get_process_group_ranks(parallel.layout.group(axis)))] = axis
+    if parallel.layout.size("cp") > 1:  # gradients over dp x cp: its own communicator, named
+        axes[parallel.layout.gradient_group().group_name] = "dp_cp"
     return axes

@@ -1,13 +1,14 @@
 """Compose the runtime's concerns into a model that trains as the plan says.
 
 Order (as TorchTitan's parallelize step): mesh → pipeline stage → tensor/sequence parallel (module
-rules, or DTensor through the model's forward, as the plan's `tp_realization` says) → recompute →
-expert parallel (each rank's experts kept, all-to-alls around them; under ZeRO their own FSDP units
-over their replicas) → FSDP/ZeRO → materialize local shards → schedule → dp gradient buckets (zero 0;
-expert gradients over their replicas). Tensor parallelism comes before FSDP so FSDP shards the
-DTensor parameters over dp; recompute before FSDP so FSDP's hooks sit outside the checkpointed
-forward; expert parallelism before FSDP so the blocks' units leave the expert slices to their own;
-materialization last, so every rank only ever allocates its shards.
+rules, or DTensor through the model's forward, as the plan's `tp_realization` says) → context
+parallel (attention over sequence shards) → recompute → expert parallel (each rank's experts kept,
+all-to-alls around them; under ZeRO their own FSDP units over their replicas) → FSDP/ZeRO (over dp x
+cp) → materialize local shards → schedule → dp (x cp) gradient buckets (zero 0; expert gradients over
+their replicas). Tensor parallelism comes before FSDP so FSDP shards the DTensor parameters over dp;
+recompute before FSDP so FSDP's hooks sit outside the checkpointed forward; expert parallelism before
+FSDP so the blocks' units leave the expert slices to their own; materialization last, so every rank
+only ever allocates its shards.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan_schema import Plan
 from autopar.runtime.compile import compile_blocks
+from autopar.runtime.context_parallel import ContextParallel, apply_context_parallel, context_parallel_problem
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter_device, set_microbatch_boundary
 from autopar.runtime.dtensor_tp import step_context as dtensor_step_context
 from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel, build_expert_groups,
@@ -59,6 +61,7 @@ class ParallelModel:
     expert_groups: ExpertGroups | None = None  # ep > 1
     expert_params: frozenset[str] = frozenset()  # names of this rank's expert slices (ep > 1)
     expert_buckets: GradientBuckets | None = None  # ep < dp: expert gradients summed over their replicas
+    context: ContextParallel | None = None  # cp > 1: this rank's sequence shards and their loss
 
     @property
     def strategy(self):
@@ -114,7 +117,11 @@ class ParallelModel:
                 if fsdp:
                     set_microbatch_boundary(list(module.modules()), s.zero, last)
                 with autocast(self.precision, self.layout.device, fsdp):
-                    loss = self.loss_fn(module(x), x)
+                    if self.context is not None:  # this rank's positions of each sequence, their next tokens
+                        tokens, targets = self.context.shard(module, x)
+                        loss = self.context.loss(module(tokens), targets, x.shape[1])
+                    else:
+                        loss = self.loss_fn(module(x), x)
                 (loss / s.num_microbatches).backward()
                 total += _local_value(loss.detach())
         return total
@@ -173,7 +180,7 @@ class ParallelModel:
         return norm
 
     def _stage_size(self) -> int:
-        return self.layout.size("dp") * self.layout.size("tp")
+        return self.layout.size("dp") * self.layout.size("cp") * self.layout.size("tp")
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
         """Mean loss over the global batch, the same on every rank (one scalar all-reduce)."""
@@ -182,7 +189,7 @@ class ParallelModel:
         if not (self.is_last_stage() and self.layout.tp_rank == 0):
             value = torch.zeros_like(value)
         dist.all_reduce(value)
-        return value.item() / (s.dp * s.num_microbatches)
+        return value.item() / (s.dp * s.cp * s.num_microbatches)  # cp ranks' losses are cp x their share
 
     def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: float = 0.0,
                    *, local: bool = False) -> float:
@@ -199,17 +206,20 @@ class ParallelModel:
         return self.global_loss(loss_sum)
 
     def executed_placements(self) -> dict[str, str]:
-        """Each parameter's placement over (dp, tp) as it runs, in the plan's syntax ("S(0)R")."""
+        """Each parameter's placement over the stage mesh (dp, tp; dp, cp, tp under context parallelism)
+        as it runs, in the plan's syntax ("S(0)R"): ZeRO's shards over dp x cp read S(0) on both."""
+        axes = [axis.name for axis in self.plan.mesh if axis.name != "pp"]
         result = {}
         for name, param in self.named_parameters().items():
-            parts = {"dp": "R", "tp": "R"}
+            parts = {"dp": "R", "cp": "R", "tp": "R"}
             if isinstance(param, DTensor):
                 for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
                     dim = getattr(placement, "dim", None)
-                    parts[axis] = "R" if placement.is_replicate() else ("P" if dim is None else f"S({dim})")
+                    text = "R" if placement.is_replicate() else ("P" if dim is None else f"S({dim})")
+                    parts.update(dict.fromkeys(("dp", "cp") if axis == "dp_cp" else (axis,), text))
             if name in self.expert_params:  # experts split over the ep group (Strategy.ep)
                 parts["dp"] = "S(0)"
-            result[self.canonical.get(name, name)] = parts["dp"] + parts["tp"]
+            result[self.canonical.get(name, name)] = "".join(parts[axis] for axis in axes)
         return result
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -288,7 +298,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
             f"({plan.provenance.model_name}), this model is {fingerprint}: re-run `autopar plan` for this model"
         )
     s = plan.strategy
-    unsupported = plan_refusal(model, plan) or (expert_parallel_problem(model, s.ep) if s.ep > 1 else None)
+    unsupported = (plan_refusal(model, plan) or (expert_parallel_problem(model, s.ep) if s.ep > 1 else None)
+                   or context_parallel_problem(model, s, _sequence_length(plan), loss_fn, plan.tp_realization))
     if unsupported:
         raise AutoparError(f"this plan cannot run: {unsupported}; re-run `autopar plan`, which only chooses what runs")
     cut = None
@@ -305,6 +316,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     stage_units = {stage.index: stage.units for stage in plan.stages}
     modules: list[nn.Module] = []
     groups: ExpertGroups | None = None
+    context: ContextParallel | None = None
     expert_names: list[str] = []
     shared: dict = {}  # this rank's stages share the copies of what they share (a tied weight)
     for index in layout.stage_indices:
@@ -314,22 +326,25 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         if s.tp > 1:
             apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path,
                                   vocab_parallel_loss=s.pp == 1, realization=plan.tp_realization)
-        # 4. recompute the planned modules
+        # 4. context parallel: attention over the cp ranks' sequence shards
+        if s.cp > 1:
+            context = apply_context_parallel(module, layout, s)
+        # 5. recompute the planned modules
         apply_recompute(module, plan.recompute_modules, s.recompute)
         blocks = _innermost([p for p in stage_units[index] if _is_block(module, p)])
         expert_rows = {}
-        if s.ep > 1:  # 5. this rank's experts, tokens routed to their owners by all-to-all
+        if s.ep > 1:  # 6. this rank's experts, tokens routed to their owners by all-to-all
             groups = groups or build_expert_groups(layout, s.ep)
             expert_rows = apply_expert_parallel(module, groups)
             expert_names += list(expert_rows)
             if s.zero >= 1:  # their states sharded over their replicas, units of their own
                 shard_expert_states(module, groups, s.zero, layout.size("dp"), fsdp_policy(precision))
-        # 6. ZeRO: FSDP2 units per block over the dp axis (their shards on the host under offload)
+        # 7. ZeRO: FSDP2 units per block over the dp (x cp) ranks (their shards on the host under offload)
         if s.zero >= 1:
-            apply_fsdp(module, layout.mesh["dp"], s.zero, blocks, fsdp_policy(precision), s.offload)
-        # 7. materialize this rank's shards (and experts) with the sharding-independent init
+            apply_fsdp(module, layout.gradient_mesh(), s.zero, blocks, fsdp_policy(precision), s.offload)
+        # 8. materialize this rank's shards (and experts) with the sharding-independent init
         materialize(module, source, layout.device, parameter_device(layout.device, s.offload), expert_rows)
-        if compile:  # 7b. compile each block's forward, inside every wrapper above (runtime/compile.py)
+        if compile:  # 8b. compile each block's forward, inside every wrapper above (runtime/compile.py)
             compile_blocks(module, blocks)
         modules.append(module)
 
@@ -342,24 +357,32 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
                              step_context=dtensor_step_context if dtensor else contextlib.nullcontext)
     parallel.canonical = dict(source.alias)
     parallel.expert_groups, parallel.expert_params = groups, frozenset(expert_names)
-    buckets = s.zero == 0 and layout.size("dp") > 1
-    if cut is not None:  # 8. the pipeline schedule over this rank's stages
+    parallel.context = context
+    replicas = layout.gradient_mesh().size()  # dp, or dp x cp: the ranks holding the same weights
+    buckets = s.zero == 0 and replicas > 1
+    if cut is not None:  # 9. the pipeline schedule over this rank's stages
         parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters())
         parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
                                            layout.group("pp"), s.schedule, s.num_microbatches, loss_fn,
                                            scale_grads=not buckets)
-    if buckets:  # 9. dp sync in buckets, overlapped with the last backward (they average over micro-batches too)
+    if buckets:  # 10. dp (x cp) sync in buckets, overlapped with the last backward (they average over micro-batches too)
         named = parallel.named_parameters()
         experts = {id(named[name]) for name in parallel.expert_params}
         parallel.gradient_buckets = GradientBuckets(
-            [p for p in parallel.parameters() if id(p) not in experts], layout.group("dp"),
-            accumulations=s.num_microbatches, divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
+            [p for p in parallel.parameters() if id(p) not in experts], layout.gradient_group(),
+            accumulations=s.num_microbatches, divide_by=replicas * (s.num_microbatches if s.pp > 1 else 1))
         if groups is not None and groups.replica_group is not None:
             parallel.expert_buckets = GradientBuckets(
                 [p for p in parallel.parameters() if id(p) in experts], groups.replica_group,
                 accumulations=s.num_microbatches,
                 divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
     return parallel
+
+
+def _sequence_length(plan: Plan) -> int | None:
+    """The planned sequence length: the token ids' per-sample shape, when the plan records it."""
+    inputs = plan.model_inputs
+    return inputs[0].shape[0] if inputs and len(inputs[0].shape) == 1 else None
 
 
 def _is_block(module: nn.Module, path: str) -> bool:

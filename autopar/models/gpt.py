@@ -37,14 +37,18 @@ class CausalSelfAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        y = self.attend(q, k, v)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over [batch, heads, seq, head_dim]; k and v carry the kv heads. Context
+        parallelism (`runtime.context_parallel`) replaces it per instance with attention over sequence
+        shards, which is why the kv heads are shared across their query groups only here."""
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its group
             repeats = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(repeats, dim=1)
             v = v.repeat_interleave(repeats, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -100,12 +104,15 @@ class GPT(nn.Module):
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
         if config.tied:
             self.head.weight = self.embed.weight
+        # Global positions of the tokens the next forward sees; None: 0..seq-1. Context parallelism
+        # (`runtime.context_parallel`) sets them to a sequence shard's positions.
+        self.position_ids: torch.Tensor | None = None
         init_transformer_weights(self, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids to logits; a pipeline stage (parts set to None) maps its input to its output."""
         if self.embed is not None:
-            positions = torch.arange(x.shape[1], device=x.device)
+            positions = torch.arange(x.shape[1], device=x.device) if self.position_ids is None else self.position_ids
             x = self.embed_dropout(self.embed(x) + self.pos_embed(positions))
         for layer in self.layers.values():
             x = layer(x)

@@ -63,6 +63,7 @@ class Llama(nn.Module):
         # Derived from the config, so not saved in checkpoints.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.position_ids: torch.Tensor | None = None  # as GPT.position_ids: a sequence shard's positions
         init_transformer_weights(self, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,8 @@ class Llama(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         rope = (self.rope_cos, self.rope_sin)
+        if self.position_ids is not None:
+            rope = (self.rope_cos[self.position_ids], self.rope_sin[self.position_ids])
         for layer in self.layers.values():
             x = layer(x, rope)
         if self.final_norm is not None:
