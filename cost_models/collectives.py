@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from autopar.graph.ir import OpGraph, OpNode
 from autopar.plan_schema import Strategy
+from autopar.cost_models.context import AttentionLayer, rank_batch, replica_axis, replicas, unit_exchanges
 from autopar.cost_models.experts import ExpertLayer, all_to_all_axis, unit_all_to_alls, unit_expert_params
 from autopar.cost_models.facts import OpFacts, Unit
 from autopar.cost_models.recompute import stage_policies
@@ -57,7 +58,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                      seq_len: int, vocab: int | None = None, clip_grad_norm: bool = True,
                      recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
                      tp_step: Sequence[tuple[str, float]] = (), selective_repeats: bool = False,
-                     experts: Sequence[ExpertLayer] = (),
+                     experts: Sequence[ExpertLayer] = (), attention: Sequence[AttentionLayer] = (),
                      ) -> dict[tuple[str, str], tuple[int, float]]:
     """{(axis, kind): (calls, bytes)} one step sends on pipeline rank `pp_rank`.
 
@@ -70,6 +71,9 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
     selective recompute repeat collectives DTensor issues inside an op, which it cannot save).
     `experts`: the model's MoE layers; under ep > 1 their all-to-alls (`cost_models.experts`) and the
     expert gradients' sum over their dp/ep replicas ("edp") replace the experts' share of dp's.
+    `attention`: the model's attention calls; under cp > 1 each sends its exchange (`cost_models.context`:
+    "cp" send/recv for the ring, all_to_all for ulysses), every per-token size is one rank's S/cp share,
+    and the gradient sync and ZeRO's collectives span dp × cp ("dp_cp").
     """
     s = strategy
     tied = tied_across_ranks(stages, s.pp, s.tp)[pp_rank]
@@ -82,7 +86,8 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
             sent[(axis, kind)] += num_bytes * times
 
     weight_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
-    m, b = s.num_microbatches, s.microbatch
+    m, b = s.num_microbatches, rank_batch(s)  # b: one rank's positions, in sequences (b/cp under cp)
+    copies, dp_axis = replicas(s), replica_axis(s)
     mine = [i for i in range(len(stages)) if i % s.pp == pp_rank]
     last = len(stages) - 1
     for index in mine:
@@ -107,6 +112,10 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
             if index == last and vocab:
                 for kind, size, times in vocab_parallel_head_collectives(s, precision, seq_len, vocab):
                     add("tp", kind, size, m * times)
+        if s.cp > 1:
+            for unit, policy in zip(units, stage_policies(units, s, index)):
+                for _, kind, size, calls_per_microbatch in unit_exchanges(attention, unit.name, s, policy):
+                    add("cp", kind, size, m * calls_per_microbatch)
         if s.ep > 1:
             for unit, policy in zip(units, stage_policies(units, s, index)):
                 for _, size, per_pass in unit_all_to_alls(experts, unit.name, b, policy):
@@ -121,20 +130,21 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                 for tensor in stages[index + 1][0].cut:
                     add("pp", "send", tensor.bytes_for(b) / shard, m)
                     add("pp", "recv", tensor.bytes_for(b) / shard, m if tensor.grad else 0)
-        if s.dp > 1 and s.zero >= 1:
-            copies = sum(n for stage, n in tied["copies"] if stage == index)
-            gathered = _fsdp_unit_params(units, s.tp, s.dp, copies)
-            reduced = _fsdp_unit_params(units, s.tp, s.dp, copies, gradients=True)
+        if copies > 1 and s.zero >= 1:
+            tied_copies = sum(n for stage, n in tied["copies"] if stage == index)
+            gathered = _fsdp_unit_params(units, s.tp, copies, tied_copies)
+            reduced = _fsdp_unit_params(units, s.tp, copies, tied_copies, gradients=True)
             for unit_params, unit_grads in zip(gathered, reduced):
                 gathers = 2 * m if s.zero >= 3 else 1
                 scatters = m if s.zero >= 2 else 1
-                add("dp", "all_gather", unit_params * weight_bytes, gathers)
+                add(dp_axis, "all_gather", unit_params * weight_bytes, gathers)
                 if unit_grads:
-                    add("dp", "reduce_scatter", unit_grads * GRADIENT_REDUCE_BYTES, scatters)
-    if s.dp > 1 and s.zero == 0:
+                    add(dp_axis, "reduce_scatter", unit_grads * GRADIENT_REDUCE_BYTES, scatters)
+    if copies > 1 and s.zero == 0:
         rank_params = sum(u.trainable_on_device(s.tp) for i in mine for u in stages[i]) + sum(n for _, n in tied["copies"])
         rank_experts = sum(unit_expert_params(experts, u.name) for i in mine for u in stages[i]) if s.ep > 1 else 0
-        for axis, elements in (("dp", rank_params - rank_experts), ("edp", rank_experts / s.ep if s.dp > s.ep else 0)):
+        for axis, elements in ((dp_axis, rank_params - rank_experts),
+                               ("edp", rank_experts / s.ep if s.dp > s.ep else 0)):
             grad_bytes = elements * GRADIENT_REDUCE_BYTES
             if grad_bytes:
                 buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
@@ -145,7 +155,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
         for kind, size in tp_step:
             add("tp", kind, size)
     if tied["summed"]:  # the local shard of each tied weight, summed over the ranks holding it
-        add("pp", "all_reduce", tied["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES)
+        add("pp", "all_reduce", tied["summed"] / (copies if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES)
     add("world", "all_reduce", SCALAR_BYTES, 2 if clip_grad_norm else 1)
     return {key: (calls[key], sent[key]) for key in sorted(calls)}
 
@@ -158,9 +168,11 @@ def vocab_parallel_head_collectives(strategy: Strategy, precision: str, seq_len:
     s = strategy
     activation_bytes = 4  # logits leave autocast in fp32 (and are fp32 under fp32)
     if s.pp > 1:
-        return [("all_gather", s.microbatch * seq_len * vocab * activation_bytes, 1)]
-    # next-token loss: every position but the last predicts one
-    return [("all_reduce", s.microbatch * (seq_len - 1) * SCALAR_BYTES, LOSS_PARALLEL_REDUCTIONS)]
+        return [("all_gather", s.microbatch * seq_len / s.cp * vocab * activation_bytes, 1)]
+    # next-token loss: every position but the last predicts one; under cp each rank's S/cp positions
+    # (the last one's target masked where it has none, so every cp rank reduces the same sizes)
+    positions = seq_len - 1 if s.cp == 1 else seq_len / s.cp
+    return [("all_reduce", s.microbatch * positions * SCALAR_BYTES, LOSS_PARALLEL_REDUCTIONS)]
 
 
 def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int) -> list[dict]:

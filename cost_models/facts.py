@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from autopar.cost_models.context import AttentionLayer, attention_layers
 from autopar.cost_models.experts import ExpertLayer, expert_layers
 from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode, TensorMeta
 
@@ -177,6 +178,7 @@ class ModelFacts:
     vocab: int | None = None
     param_tp_dims: dict[str, int] = field(default_factory=dict)  # tensor-parallel shard dim of each sharded parameter
     experts: tuple[ExpertLayer, ...] = ()  # MoE layers, for expert parallelism
+    attention: tuple[AttentionLayer, ...] = ()  # attention calls, for context parallelism
     extra: dict = field(default_factory=dict)
 
     @property
@@ -255,7 +257,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     return ModelFacts(
         model_name=graph.model_name, precision=graph.precision, seq_len=graph.seq_len or 1, units=units,
         num_params=graph.num_params, heads=heads, kv_heads=kv_heads, vocab=vocab,
-        param_tp_dims=tp_dims, experts=expert_layers(graph, unit_of),
+        param_tp_dims=tp_dims, experts=expert_layers(graph, unit_of), attention=attention_layers(graph, unit_of),
     )
 
 
