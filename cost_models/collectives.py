@@ -96,7 +96,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
             for unit, policy in zip(units, stage_policies(units, s, index)):
                 for op in unit.ops:
                     if op.reduce_bytes:
-                        size = op.reduce_bytes_for(b)
+                        size = op.reduce_bytes_for(b, 1 / s.cp)
                         if s.sp:
                             add("tp", "reduce_scatter", size, m)
                             add("tp", "all_gather", size, m)
@@ -105,7 +105,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                     for kind, size in op.collectives:
                         add("tp", kind, size * b, m)
                 if policy == "full" or (policy == "selective" and selective_repeats and recompute_repeats):
-                    repeats = (recomputed_reductions(unit, b, s.sp) if recompute_repeats is None
+                    repeats = (recomputed_reductions(unit, b, s.sp, 1 / s.cp) if recompute_repeats is None
                                else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())])
                     for kind, size, times in repeats:
                         add("tp", kind, size, m * times)
@@ -226,9 +226,9 @@ def merge_world(ledger: dict[tuple[str, str], tuple[int, float]], axis_sizes: di
     return merged
 
 
-def recomputed_reductions(unit: Unit, batch: int, sp: bool) -> list[tuple[str, float, int]]:
-    """(kind, bytes, calls) a full recompute of `unit` repeats per micro-batch."""
-    sizes = [op.reduce_bytes_for(batch) for op in unit.forward_ops if op.reduce_bytes]
+def recomputed_reductions(unit: Unit, batch: float, sp: bool, share: float = 1.0) -> list[tuple[str, float, int]]:
+    """(kind, bytes, calls) a full recompute of `unit` repeats per micro-batch (`share`: 1/cp)."""
+    sizes = [op.reduce_bytes_for(batch, share) for op in unit.forward_ops if op.reduce_bytes]
     if not sizes:
         return []
     repeated = [(("reduce_scatter" if sp else "all_reduce"), size, 1) for size in sizes[:-1]]

@@ -34,6 +34,9 @@ product attention: h heads, g key/value heads as projected, d head dim, e bytes 
 - memory: the b/cp sequences' activations; as buffers, the ring's blocks in flight beside those in
   use (K, V, dK, dV received while the current four are used: 8·B at the backward's peak) or the
   ulysses head-sharded Q, K, V and output (2·Q + 2·B).
+Not priced: a ring round's attention is taken as the call's average (the zigzag balances a rank's
+total, not every round), and the cp − 1 extra kernel launches per call and the efficiency of shorter
+blocks are left out (small next to a long chunk's attention, which is where the search offers cp).
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ def run_pipeline(pricing: Pricing, prices: StagePrices, stages_units: list[list[
     step of its latency; a transfer delays the pass that needs it, not the rank that sends."""
     s, cluster = pricing.strategy, pricing.cluster
     pp_layout = group_layout(s.pp, s.dp * s.cp * s.tp, cluster.gpus_per_node)
-    boundary_bytes = max((sum(t.bytes_for(rank_batch(s)) for t in u[0].cut) for u in stages_units[1:] if u),
+    batch = rank_batch(s)
+    boundary_bytes = max((sum(t.bytes_for(batch) for t in u[0].cut) for u in stages_units[1:] if u),
                          default=0.0) \
         / (s.tp if s.sp else 1)
     p2p = collective_time_s("send_recv", boundary_bytes, pp_layout, cluster) if s.pp > 1 else 0.0

@@ -55,8 +55,10 @@ class OpFacts:
     # shape is not known (convolutions): the roofline then prices it at the large-GEMM efficiency.
     gemm: GemmShape | None = None
 
-    def reduce_bytes_for(self, batch: int) -> float:
-        return self.reduce_bytes if self.reduce_per_microbatch else self.reduce_bytes * batch
+    def reduce_bytes_for(self, batch: float, share: float = 1.0) -> float:
+        """`share`: of each sequence's positions, the rank's (1/cp under context parallelism): a
+        position table's lookup reduces only the rows of those positions."""
+        return self.reduce_bytes * share if self.reduce_per_microbatch else self.reduce_bytes * batch
 
 
 class CutTensor(NamedTuple):

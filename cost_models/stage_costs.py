@@ -113,7 +113,7 @@ class Pricing:
         s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
         key = self.cache.token(("time", gpu.name, dtype, s.microbatch, s.cp, s.tp, s.sp, self.efficiency))
         return self.cache.get(unit, (key,), lambda: unit_time(unit, gpu, dtype, batch=rank_batch(s), tp=s.tp,
-                                                              sp=s.sp, efficiency=self.efficiency))
+                                                              sp=s.sp, efficiency=self.efficiency, share=1 / s.cp))
 
     def attention_s(self, unit: Unit) -> tuple[float, float]:
         """(forward, backward) of the unit's attention kernels on one rank: what a ring's transfers hide behind."""
@@ -191,7 +191,7 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         if s.tp == 1:
             repeated = []
         elif pricing.recompute_repeats is None:
-            repeated = recomputed_reductions(unit, b, s.sp)
+            repeated = recomputed_reductions(unit, b, s.sp, 1 / s.cp)
         else:
             repeated = [(kind, size * b, 1) for kind, size in pricing.recompute_repeats.get(unit.name, ())]
         recompute_s = t.forward_s + sum(times * pricing.tp_time_s(kind, size) for kind, size, times in repeated)

@@ -123,6 +123,22 @@ def test_gradient_sync_and_zero3_span_dp_times_cp(llama):
     assert _ledger(facts, _strategy(cp=1)) == {k: v for k, v in plain.items() if k[0] == "world"}
 
 
+def test_tp_reductions_under_cp_are_a_ranks_positions(zoo_trace):
+    """tp beside cp: a rank reduces the rows of its S/cp positions of each sequence, so cp=2 with
+    micro-batches of 2 reduces what cp=1 with micro-batches of 1 does, less half of GPT's position-table
+    lookup (one lookup of the rank's positions per micro-batch, whatever the batch)."""
+    _, _, facts = zoo_trace("gpt", "layers=2,hidden=32,heads=4,vocab=96,seq_len=16")
+    stages = partition(facts, 1)
+    table = sum(op.reduce_bytes for unit in facts.units for op in unit.forward_ops if op.reduce_per_microbatch)
+    assert table == 16 * 32 * 2  # the [S, hidden] bf16 position rows, all-reduced over tp
+
+    def tp_reduce(s: Strategy) -> tuple[int, float]:
+        return step_collectives(stages, s, "bf16", 0, seq_len=16)[("tp", "all_reduce")]
+
+    split, whole = tp_reduce(_strategy(tp=2, cp=2, microbatch=2)), tp_reduce(_strategy(tp=2, microbatch=1))
+    assert split[0] == whole[0] and split[1] == pytest.approx(whole[1] - 3 * table / 2)  # 3 micro-batches
+
+
 # --- costs -----------------------------------------------------------------------------------------
 
 def test_ring_exposed_time_is_what_the_transfer_exceeds_the_chunk_attention():
