@@ -155,7 +155,7 @@ CASES = [
     ("run-dry-run-no-stage-for-head", ["run", *TINY, "--plan", "{plan:no_stage_for_head}", "--steps", "2", "--dry-run"],
      ["no stage runs parameter", "head"]),
     ("run-dry-run-mesh-reordered", ["run", *TINY, "--plan", "{plan:mesh_reordered}", "--steps", "2", "--dry-run"],
-     ["pp, dp and tp, in that order"]),
+     ["pp, dp, cp and tp, in that order"]),
     ("run-dry-run-too-few-microbatches", ["run", *TINY, "--plan", "{plan:too_few_microbatches}", "--steps", "2",
                                           "--dry-run"], ["needs at least pp=2 micro-batches"]),
     ("run-dry-run-stage-mesh-shape", ["run", *TINY, "--plan", "{plan:stage_mesh_shape}", "--steps", "2", "--dry-run"],
