@@ -86,6 +86,8 @@ def strategy_text(s) -> str:
         text += f" offload={s.offload}"
     if s.ep > 1:
         text += f" ep={s.ep}"
+    if s.cp > 1:
+        text += f" cp={s.cp} cp_kind={s.cp_kind}"
     return text
 
 

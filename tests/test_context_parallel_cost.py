@@ -266,3 +266,14 @@ def test_plan_with_cp_carries_the_axis_devices_ledger_and_report(zoo_trace):
     other = json.loads(render_trace(report))["otherData"]
     assert other["context_exchange_s"] == pytest.approx(report.predicted.breakdown.context_exchange) and \
         other["context_exchange_s"] > 0
+
+
+def test_why_not_names_the_best_cp_plan_when_cp_loses(zoo_trace):
+    """A long sequence on a model small enough for dp alone: cp is offered, loses, and a row says by how much."""
+    spec, _, _ = zoo_trace("llama", "layers=1,hidden=64,heads=8,kv_heads=8,vocab=96,seq_len=16384", batch=1)
+    result = autopar.plan(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, global_batch=4, seq_len=16384,
+                          cluster=autopar.load_cluster("dgx-h100", gpus=4))
+    assert result.plan.strategy.cp == 1
+    rows = [row for row in result.why_not if "context parallel (cp=" in row.label]
+    assert len(rows) == 1 and rows[0].strategy.cp > 1 and rows[0].slowdown >= 1
+    assert "slower" in rows[0].reason or "as fast" in rows[0].reason
