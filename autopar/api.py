@@ -216,6 +216,7 @@ def plan(
     (`model_hints`). `profile`: a profile database calibrating the roofline. Nothing is trained and
     the model is not modified.
     """
+    from autopar.cost_models.context import context_parallel_refusal
     from autopar.cost_models.experts import expert_parallel_refusal
     from autopar.cost_models.facts import model_facts
     from autopar.cost_models.strategy import parse_strategy
@@ -249,7 +250,9 @@ def plan(
         from autopar.runtime.pipeline import pipeline_refusal
 
         capabilities = dataclasses.replace(capabilities, pipeline_refusal=pipeline_refusal(model, example_inputs))
-    capabilities = dataclasses.replace(capabilities, expert_parallel_refusal=expert_parallel_refusal(facts.experts))
+    capabilities = dataclasses.replace(capabilities, expert_parallel_refusal=expert_parallel_refusal(facts.experts),
+                                       context_parallel_refusal=context_parallel_refusal(facts.attention,
+                                                                                         bool(facts.experts)))
     if fallback:
         refusal = "tensor and pipeline parallelism need the training step's op graph, which could not be captured"
         capabilities = dataclasses.replace(capabilities, tensor_parallel_refusal=refusal, pipeline_refusal=refusal)

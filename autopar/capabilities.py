@@ -117,6 +117,13 @@ class Capabilities:
     # layers of another kind); None when it can, or when no model is at hand.
     expert_parallel: bool = True
     expert_parallel_refusal: str | None = None
+    # Context parallelism (`cost_models.context`; the runtime's on the cp-runtime branch): the zoo's causal
+    # decoders (gpt, llama; not MoE) with each sequence split over cp ranks, ring or ulysses, beside dp and
+    # module-rule tp without sequence parallelism, at ZeRO 0 or 3, any recompute, one pipeline stage.
+    # `context_parallel_refusal`: why the model being planned cannot run cp; None when it can, or when
+    # no model is at hand.
+    context_parallel: bool = True
+    context_parallel_refusal: str | None = None
 
     @property
     def supports_offload(self) -> bool:
@@ -145,6 +152,10 @@ class Capabilities:
                 return "the runtime offloads optimizer states with data parallelism only: use tp=1 and pp=1"
         if strategy.ep > 1:
             reason = self._expert_parallel_refusal(strategy)
+            if reason:
+                return reason
+        if strategy.cp > 1:
+            reason = self._context_parallel_refusal(strategy)
             if reason:
                 return reason
         if strategy.sp and not self.sequence_parallel:
@@ -177,6 +188,28 @@ class Capabilities:
             return "the runtime runs expert parallelism without tensor parallelism: use tp=1 with ep > 1"
         if strategy.offload != "none":
             return "the runtime's expert parallelism keeps optimizer states on the device: use offload=none with ep > 1"
+        return None
+
+    def _context_parallel_refusal(self, strategy: Strategy) -> str | None:
+        s = strategy
+        if not self.context_parallel:
+            return "the runtime has no context parallelism"
+        if self.context_parallel_refusal:
+            return self.context_parallel_refusal
+        if s.pp > 1:
+            return "the runtime runs context parallelism without pipeline stages: use pp=1 with cp > 1"
+        if s.sp:
+            return "the runtime runs context parallelism without sequence parallelism: use sp=false with cp > 1"
+        if s.ep > 1:
+            return "the runtime runs context parallelism on dense models only: use ep=1 with cp > 1"
+        if s.zero in (1, 2):
+            return (f"the runtime shards over dp × cp with ZeRO 0 or 3 only (FSDP2 fully sharded): use zero=0 or "
+                    f"zero=3 with cp > 1, not zero={s.zero}")
+        if s.offload != "none":
+            return "the runtime does not offload optimizer states with context parallelism: use offload=none with cp > 1"
+        if s.tp > 1 and self.tp_realization is not None:
+            return ("the runtime's context parallelism runs module-rule tensor parallelism, and this model's tp is "
+                    "decided by DTensor dry runs: use tp=1 with cp > 1")
         return None
 
 

@@ -20,7 +20,8 @@ from autopar.io import atomic_write_text
 from autopar.validation import condense_validation_error, one_line
 
 PLAN_SCHEMA_VERSION = 1
-MESH_ORDER = ("pp", "dp", "cp", "tp")  # the runtime's device mesh, row-major (runtime/mesh.py); cp only when cp > 1
+# The runtime's device mesh, row-major (runtime/mesh.py); a plan lists "cp" only when cp > 1.
+MESH_ORDER = ("pp", "dp", "cp", "tp")
 
 _PLACEMENT = re.compile(r"R|P|S\((\d+)\)")
 
@@ -254,7 +255,7 @@ class Plan(_Record):
         if any(name not in MESH_ORDER for name in order) or order != [a for a in MESH_ORDER if a in order]:
             raise ValueError(f"mesh {shape}: the axes are pp, dp, cp and tp, in that order (row-major, tp innermost), "
                              f"each at most once")
-        for knob in ("dp", "tp", "pp", "cp"):
+        for knob in ("dp", "cp", "tp", "pp"):
             if sizes.get(knob, 1) != getattr(self.strategy, knob):
                 raise ValueError(f"mesh axis {knob}={sizes.get(knob, 1)} but strategy.{knob}={getattr(self.strategy, knob)}")
         expected_stages = self.strategy.pp * self.strategy.vp
@@ -311,7 +312,7 @@ class Plan(_Record):
 
 def _check_stage_devices(stages: list[StagePlan], pp: int, world_size: int) -> None:
     """Stage i runs on pipeline rank i mod pp, and pipeline rank r owns the r-th contiguous block of
-    the (pp, dp, tp) row-major mesh: no device runs two pipeline ranks, none is left idle."""
+    the (pp, dp, cp, tp) row-major mesh: no device runs two pipeline ranks, none is left idle."""
     block = world_size // pp
     owner: dict[int, int] = {}
     for stage in stages:
@@ -323,7 +324,7 @@ def _check_stage_devices(stages: list[StagePlan], pp: int, world_size: int) -> N
         expected = list(range(rank * block, (rank + 1) * block))
         if sorted(stage.device_ids) != expected:
             raise ValueError(f"stage {stage.index} runs on devices {stage.device_ids}, but pipeline rank {rank} "
-                             f"(stage i on rank i mod pp={pp}) owns devices {expected} of the pp x dp x tp mesh")
+                             f"(stage i on rank i mod pp={pp}) owns devices {expected} of the pp x dp x cp x tp mesh")
 
 
 def _check_stage_modules(stages: list[StagePlan], recompute_modules: list[str]) -> None:

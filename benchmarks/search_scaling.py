@@ -27,6 +27,8 @@ CASES = [
     ("gpt3-13b-1", "gpt3-13b", None, "dgx-h100", 1, 8, 2048),
     # a mixture of experts (issue #20): expert parallelism is searched with dp, pp and recompute
     ("mixtral-8x7b", "mixtral-8x7b", None, "dgx-h100", 64, 512, 4096),
+    # a million-token sequence (issue #20): context parallelism is offered and splits it across nodes
+    ("llama3-8b-1m", "llama3-8b", "seq_len=1048576", "dgx-h100", 64, 64, 1048576),
 ]
 
 
@@ -54,7 +56,7 @@ def main() -> None:
                 + (f" v={s.vp}" if s.vp > 1 else "") + f" zero={s.zero} rc={s.recompute}"
             + ("" if s.recompute_layers is None else "[" + "/".join(map(str, s.recompute_layers)) + "]")
             + f" sp={s.sp}" + (f" offload={s.offload}" if s.offload != "none" else "")
-            + (f" ep={s.ep}" if s.ep > 1 else "") + ": "
+            + (f" ep={s.ep}" if s.ep > 1 else "") + (f" cp={s.cp} {s.cp_kind}" if s.cp > 1 else "") + ": "
                 f"{chosen.evaluation.step_time_s:.2f} s/step, MFU {chosen.evaluation.mfu:.1%}"
                 + ("" if chosen.evaluation.fits else " (does not fit)"))
         print(f"{label:<11} {f'{gpus} × {cluster.gpu.name}':<22} {captured:>9.1f} {result.search_s:>8.1f} "

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from autopar.graph.ir import OpGraph, OpNode
 from autopar.plan_schema import Strategy
+from autopar.cost_models.context import AttentionLayer, rank_batch, replica_axis, replicas, unit_exchanges
 from autopar.cost_models.experts import (ExpertLayer, all_to_all_axis, fsdp_expert_elements, unit_all_to_alls,
                                          unit_expert_params)
 from autopar.cost_models.facts import OpFacts, Unit
@@ -59,7 +60,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                      seq_len: int, vocab: int | None = None, clip_grad_norm: bool = True,
                      recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
                      tp_step: Sequence[tuple[str, float]] = (), selective_repeats: bool = False,
-                     experts: Sequence[ExpertLayer] = (),
+                     experts: Sequence[ExpertLayer] = (), attention: Sequence[AttentionLayer] = (),
                      ) -> dict[tuple[str, str], tuple[int, float]]:
     """{(axis, kind): (calls, bytes)} one step sends on pipeline rank `pp_rank`.
 
@@ -72,6 +73,9 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
     selective recompute repeat collectives DTensor issues inside an op, which it cannot save).
     `experts`: the model's MoE layers; under ep > 1 their all-to-alls (`cost_models.experts`) and the
     expert gradients' sum over their dp/ep replicas ("edp") replace the experts' share of dp's.
+    `attention`: the model's attention calls; under cp > 1 each sends its exchange (`cost_models.context`:
+    "cp" send/recv for the ring, all_to_all for ulysses), every per-token size is one rank's S/cp share,
+    and the gradient sync and ZeRO's collectives span dp × cp ("dp_cp").
     """
     s = strategy
     tied = tied_across_ranks(stages, s.pp, s.tp)[pp_rank]
@@ -84,7 +88,8 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
             sent[(axis, kind)] += num_bytes * times
 
     weight_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
-    m, b = s.num_microbatches, s.microbatch
+    m, b = s.num_microbatches, rank_batch(s)  # b: one rank's positions, in sequences (b/cp under cp)
+    copies, dp_axis = replicas(s), replica_axis(s)
     mine = [i for i in range(len(stages)) if i % s.pp == pp_rank]
     last = len(stages) - 1
     for index in mine:
@@ -93,7 +98,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
             for unit, policy in zip(units, stage_policies(units, s, index)):
                 for op in unit.ops:
                     if op.reduce_bytes:
-                        size = op.reduce_bytes_for(b)
+                        size = op.reduce_bytes_for(b, 1 / s.cp)
                         if s.sp:
                             add("tp", "reduce_scatter", size, m)
                             add("tp", "all_gather", size, m)
@@ -102,13 +107,17 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                     for kind, size in op.collectives:
                         add("tp", kind, size * b, m)
                 if policy == "full" or (policy == "selective" and selective_repeats and recompute_repeats):
-                    repeats = (recomputed_reductions(unit, b, s.sp) if recompute_repeats is None
+                    repeats = (recomputed_reductions(unit, b, s.sp, 1 / s.cp) if recompute_repeats is None
                                else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())])
                     for kind, size, times in repeats:
                         add("tp", kind, size, m * times)
             if index == last and vocab:
                 for kind, size, times in vocab_parallel_head_collectives(s, precision, seq_len, vocab):
                     add("tp", kind, size, m * times)
+        if s.cp > 1:
+            for unit, policy in zip(units, stage_policies(units, s, index)):
+                for _, kind, size, calls_per_microbatch in unit_exchanges(attention, unit.name, s, policy):
+                    add("cp", kind, size, m * calls_per_microbatch)
         if s.ep > 1:
             for unit, policy in zip(units, stage_policies(units, s, index)):
                 for _, size, per_pass in unit_all_to_alls(experts, unit.name, b, policy):
@@ -123,27 +132,28 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                 for tensor in stages[index + 1][0].cut:
                     add("pp", "send", tensor.bytes_for(b) / shard, m)
                     add("pp", "recv", tensor.bytes_for(b) / shard, m if tensor.grad else 0)
-        if s.dp > 1 and s.zero >= 1:
-            copies = sum(n for stage, n in tied["copies"] if stage == index)
+        if copies > 1 and s.zero >= 1:
+            tied_copies = sum(n for stage, n in tied["copies"] if stage == index)
             moe = experts if s.ep > 1 else ()
-            gathered = _fsdp_unit_params(units, s.tp, s.dp, copies, experts=moe)
-            reduced = _fsdp_unit_params(units, s.tp, s.dp, copies, gradients=True, experts=moe)
+            gathered = _fsdp_unit_params(units, s.tp, copies, tied_copies, experts=moe)
+            reduced = _fsdp_unit_params(units, s.tp, copies, tied_copies, gradients=True, experts=moe)
             gathers = 2 * m if s.zero >= 3 else 1
             scatters = m if s.zero >= 2 else 1
             for unit_params, unit_grads in zip(gathered, reduced):
-                add("dp", "all_gather", unit_params * weight_bytes, gathers)
+                add(dp_axis, "all_gather", unit_params * weight_bytes, gathers)
                 if unit_grads:
-                    add("dp", "reduce_scatter", unit_grads * GRADIENT_REDUCE_BYTES, scatters)
-            replicas = s.dp // s.ep
-            for layer in moe if replicas > 1 else ():  # each MoE layer's expert slices: a unit over "edp"
-                local = fsdp_expert_elements([layer], layer.unit, s.ep, replicas)
+                    add(dp_axis, "reduce_scatter", unit_grads * GRADIENT_REDUCE_BYTES, scatters)
+            expert_replicas = s.dp // s.ep  # ep shares dp's ranks only (cp > 1 is refused with ep)
+            for layer in moe if expert_replicas > 1 else ():  # each MoE layer's expert slices: a unit over "edp"
+                local = fsdp_expert_elements([layer], layer.unit, s.ep, expert_replicas)
                 if any(layer.unit == u.name for u in units):
                     add("edp", "all_gather", local * weight_bytes, gathers)
                     add("edp", "reduce_scatter", local * GRADIENT_REDUCE_BYTES, scatters)
-    if s.dp > 1 and s.zero == 0:
+    if copies > 1 and s.zero == 0:
         rank_params = sum(u.trainable_on_device(s.tp) for i in mine for u in stages[i]) + sum(n for _, n in tied["copies"])
         rank_experts = sum(unit_expert_params(experts, u.name) for i in mine for u in stages[i]) if s.ep > 1 else 0
-        for axis, elements in (("dp", rank_params - rank_experts), ("edp", rank_experts / s.ep if s.dp > s.ep else 0)):
+        for axis, elements in ((dp_axis, rank_params - rank_experts),
+                               ("edp", rank_experts / s.ep if s.dp > s.ep else 0)):
             grad_bytes = elements * GRADIENT_REDUCE_BYTES
             if grad_bytes:
                 buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
@@ -154,7 +164,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
         for kind, size in tp_step:
             add("tp", kind, size)
     if tied["summed"]:  # the local shard of each tied weight, summed over the ranks holding it
-        add("pp", "all_reduce", tied["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES)
+        add("pp", "all_reduce", tied["summed"] / (copies if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES)
     add("world", "all_reduce", SCALAR_BYTES, 2 if clip_grad_norm else 1)
     return {key: (calls[key], sent[key]) for key in sorted(calls)}
 
@@ -167,9 +177,11 @@ def vocab_parallel_head_collectives(strategy: Strategy, precision: str, seq_len:
     s = strategy
     activation_bytes = 4  # logits leave autocast in fp32 (and are fp32 under fp32)
     if s.pp > 1:
-        return [("all_gather", s.microbatch * seq_len * vocab * activation_bytes, 1)]
-    # next-token loss: every position but the last predicts one
-    return [("all_reduce", s.microbatch * (seq_len - 1) * SCALAR_BYTES, LOSS_PARALLEL_REDUCTIONS)]
+        return [("all_gather", s.microbatch * seq_len / s.cp * vocab * activation_bytes, 1)]
+    # next-token loss: every position but the last predicts one; under cp each rank's S/cp positions
+    # (the last one's target masked where it has none, so every cp rank reduces the same sizes)
+    positions = seq_len - 1 if s.cp == 1 else seq_len / s.cp
+    return [("all_reduce", s.microbatch * positions * SCALAR_BYTES, LOSS_PARALLEL_REDUCTIONS)]
 
 
 def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int) -> list[dict]:
@@ -228,9 +240,9 @@ def merge_world(ledger: dict[tuple[str, str], tuple[int, float]], axis_sizes: di
     return merged
 
 
-def recomputed_reductions(unit: Unit, batch: int, sp: bool) -> list[tuple[str, float, int]]:
-    """(kind, bytes, calls) a full recompute of `unit` repeats per micro-batch."""
-    sizes = [op.reduce_bytes_for(batch) for op in unit.forward_ops if op.reduce_bytes]
+def recomputed_reductions(unit: Unit, batch: float, sp: bool, share: float = 1.0) -> list[tuple[str, float, int]]:
+    """(kind, bytes, calls) a full recompute of `unit` repeats per micro-batch (`share`: 1/cp)."""
+    sizes = [op.reduce_bytes_for(batch, share) for op in unit.forward_ops if op.reduce_bytes]
     if not sizes:
         return []
     repeated = [(("reduce_scatter" if sp else "all_reduce"), size, 1) for size in sizes[:-1]]

@@ -143,14 +143,16 @@ class UnitTime:
     backward_matmul_s: float = 0.0
 
 
-def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp: bool,
-              efficiency: Efficiency = DEFAULT_EFFICIENCY) -> UnitTime:
+def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: float, tp: int, sp: bool,
+              efficiency: Efficiency = DEFAULT_EFFICIENCY, share: float = 1.0) -> UnitTime:
+    """`batch`: sequences' worth of positions one rank runs; `share`: its share of each sequence's
+    positions (1/cp), for the reductions of position-table lookups (`OpFacts.reduce_bytes_for`)."""
     def total(ops, kinds=None) -> float:
         return sum(op_time_s(op, gpu, dtype, batch=batch, tp=tp, sp=sp, efficiency=efficiency)
                    for op in ops if kinds is None or op.kind in kinds)
 
-    forward_reduce = [op.reduce_bytes_for(batch) for op in unit.forward_ops if op.reduce_bytes]
-    backward_reduce = [op.reduce_bytes_for(batch) for op in unit.backward_ops if op.reduce_bytes]
+    forward_reduce = [op.reduce_bytes_for(batch, share) for op in unit.forward_ops if op.reduce_bytes]
+    backward_reduce = [op.reduce_bytes_for(batch, share) for op in unit.backward_ops if op.reduce_bytes]
     overhead = unit_fixed_overhead_s(unit, efficiency) / 2
     return UnitTime(
         forward_s=total(unit.forward_ops) + overhead,

@@ -26,6 +26,7 @@ from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_par
                                              tied_across_ranks)
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
+from autopar.cost_models.context import exchange_buffer_bytes, rank_batch, replicas, sync_layout
 from autopar.cost_models.experts import dispatch_buffer_bytes, replica_layout
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.implementation import as_run
@@ -131,7 +132,7 @@ def evaluate(
         raise ValueError(f"{len(stages_units)} stages given for pp×vp = {s.pp * s.vp}")
     pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=efficiency, cache=cache or CostCache(),
                       tp_layout=group_layout(s.tp, 1, cluster.gpus_per_node),
-                      dp_layout=group_layout(s.dp, s.tp, cluster.gpus_per_node), vocab=vocab,
+                      dp_layout=sync_layout(s, cluster.gpus_per_node), vocab=vocab,
                       recompute_repeats=recompute_repeats, tp_step=tp_step, selective_repeats=selective_repeats)
     prices = price_stages(pricing, stages_units)
     tied_ranks = tied_across_ranks(stages_units, s.pp, s.tp)
@@ -150,8 +151,9 @@ def run_pipeline(pricing: Pricing, prices: StagePrices, stages_units: list[list[
     stages' ranks (the network once pp's stride leaves the node), at that link's bandwidth plus a
     step of its latency; a transfer delays the pass that needs it, not the rank that sends."""
     s, cluster = pricing.strategy, pricing.cluster
-    pp_layout = group_layout(s.pp, s.dp * s.tp, cluster.gpus_per_node)
-    boundary_bytes = max((sum(t.bytes_for(s.microbatch) for t in u[0].cut) for u in stages_units[1:] if u),
+    pp_layout = group_layout(s.pp, s.dp * s.cp * s.tp, cluster.gpus_per_node)
+    batch = rank_batch(s)
+    boundary_bytes = max((sum(t.bytes_for(batch) for t in u[0].cut) for u in stages_units[1:] if u),
                          default=0.0) \
         / (s.tp if s.sp else 1)
     p2p = collective_time_s("send_recv", boundary_bytes, pp_layout, cluster) if s.pp > 1 else 0.0
@@ -176,13 +178,14 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
     per = state_bytes_per_param(pricing.facts.precision, s.optimizer_state)
     dp_layout, tp_layout = pricing.dp_layout, pricing.tp_layout
     # first and last pipeline ranks: `pp - 1` rank strides apart
-    tied_layout = group_layout(2, s.dp * s.tp * max(s.pp - 1, 1), cluster.gpus_per_node)
+    tied_layout = group_layout(2, s.dp * s.cp * s.tp * max(s.pp - 1, 1), cluster.gpus_per_node)
+    copies = replicas(s)  # ranks holding the same weights: gradients reduce, and ZeRO shards, over them
     tails = []
     for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages))):
         experts = prices.rank_expert_params[rank] if prices.rank_expert_params else 0.0
         grad_bytes = (rank_params[rank] - experts) * GRADIENT_REDUCE_BYTES  # experts: over their replicas below
         exposed = 0.0
-        if s.dp > 1 and s.zero < 3:
+        if copies > 1 and s.zero < 3:
             reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce", grad_bytes, dp_layout, cluster)
             window = sum(prices.stages[i].backward_s for i in stage_indices)
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
@@ -193,14 +196,14 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
                 first_forward = sum(prices.stages[i].forward_s for i in stage_indices)
                 exposed += max(gather - first_forward, gather / buckets) if overlap_grad_sync else gather
         if experts and s.dp > s.ep and s.zero < 3:  # expert gradients over the dp/ep ranks holding the same experts
-            replicas = replica_layout(s, cluster.gpus_per_node)
+            expert_replicas = replica_layout(s, cluster.gpus_per_node)
             reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce",
-                                       experts * GRADIENT_REDUCE_BYTES, replicas, cluster)
+                                       experts * GRADIENT_REDUCE_BYTES, expert_replicas, cluster)
             window = sum(prices.stages[i].backward_s for i in stage_indices)
             buckets = max(1, math.ceil(experts * GRADIENT_REDUCE_BYTES / DDP_BUCKET_BYTES))
             exposed += max(reduce - window, reduce / buckets) if overlap_grad_sync else reduce
             if s.zero >= 1:  # and their updated shards gathered again
-                gather = collective_time_s("all_gather", experts * per.weight, replicas, cluster)
+                gather = collective_time_s("all_gather", experts * per.weight, expert_replicas, cluster)
                 first_forward = sum(prices.stages[i].forward_s for i in stage_indices)
                 exposed += max(gather - first_forward, gather / buckets) if overlap_grad_sync else gather
         rank_units = [u for i in stage_indices for u in stages_units[i]]
@@ -209,10 +212,10 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
         if s.tp > 1:
             exposed += sum(collective_time_s(kind, size, tp_layout, cluster) for kind, size in pricing.tp_step)
         if tied_ranks[rank]["summed"]:  # as the ledger sends it: after backward, nothing to hide behind
-            tied_bytes = tied_ranks[rank]["summed"] / (s.dp if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES
+            tied_bytes = tied_ranks[rank]["summed"] / (copies if s.zero >= 1 else 1) * GRADIENT_REDUCE_BYTES
             exposed += collective_time_s("all_reduce", tied_bytes, tied_layout, cluster)
-        # ZeRO shards dense states over dp, expert slices over their dp/ep replicas
-        updated = (rank_params[rank] - experts) / (s.dp if s.zero >= 1 else 1) \
+        # ZeRO shards dense states over dp (x cp), expert slices over their dp/ep replicas
+        updated = (rank_params[rank] - experts) / (copies if s.zero >= 1 else 1) \
             + experts / (s.dp // s.ep if s.zero >= 1 else 1)
         if s.offload == "optimizer":
             units = sum(1 for i in stage_indices for u in stages_units[i] if u.layer_type is not None) + 1
@@ -231,12 +234,13 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
 def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
                 rank_params: list[float], stages_units: list[list[Unit]]) -> tuple[MemoryBreakdown, ...]:
     """Each pipeline rank's peak: model states, the micro-batches it holds at its peak, what
-    recompute rebuilds for the layer being differentiated, and under ep the all-to-all buffers."""
+    recompute rebuilds for the layer being differentiated, under ep the all-to-all buffers, under cp
+    the attention exchange's (`context.exchange_buffer_bytes`); ZeRO shards over dp × cp."""
     s = pricing.strategy
     return tuple(
         device_memory(
             params_on_device=rank_params[rank], largest_unit_params=prices.rank_largest_unit_params[rank],
-            precision=pricing.facts.precision, zero=s.zero, dp=s.dp,
+            precision=pricing.facts.precision, zero=s.zero, dp=replicas(s),
             activation_bytes=pipe.peak_in_flight[rank]
             + max(prices.stages[i].transient_bytes for i in stage_indices),
             optimizer_state=s.optimizer_state, offload=s.offload,
@@ -245,6 +249,9 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             if s.ep > 1 else 0.0,
             expert_params=prices.rank_expert_params[rank] if prices.rank_expert_params else 0.0,
             expert_dp=s.dp // s.ep,
+            exchange_bytes=exchange_buffer_bytes(pricing.facts.attention, [u.name for i in stage_indices
+                                                                            for u in stages_units[i]], s)
+            if s.cp > 1 else 0.0,
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )
@@ -262,7 +269,7 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
     headroom = planning_capacity_bytes(gpu.memory_bytes, 0.0) - capacity
     tokens = global_batch * facts.seq_len
     model_flops = facts.flops_per_sample * global_batch  # no recompute
-    tflops_per_gpu = model_flops / step_time / (s.dp * s.tp * s.pp) / 1e12
+    tflops_per_gpu = model_flops / step_time / (s.dp * s.cp * s.tp * s.pp) / 1e12
     stages_of = rank_stages(s, len(prices.stages))
     m = s.num_microbatches
     rank_compute = tuple(m * sum(prices.compute_s[i] + prices.recompute_s[i] for i in stages_of[rank])
@@ -278,6 +285,8 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
     }
     if s.ep > 1:  # the MoE all-to-alls, exposed inside the passes
         breakdown["expert_all_to_all"] = m * sum(prices.ep_comm_s[i] for i in critical_stages)
+    if s.cp > 1:  # the attention exchange (ring p2p, ulysses all-to-all) left exposed inside the passes
+        breakdown["context_exchange"] = m * sum(prices.cp_comm_s[i] for i in critical_stages)
     host_bytes = host_capacity = 0.0
     if s.offload == "optimizer":  # the step on the CPU, and the PCIe copies it waits for
         breakdown.update(optimizer=0.0, offload_transfer=tails[critical].offload_transfer_s,
@@ -304,7 +313,7 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
     s = evaluation.strategy
     if s.recompute == "none" or s.recompute_layers is not None or not evaluation.fits:
         return evaluation
-    b, tp, sp = s.microbatch, s.tp, s.sp
+    b, tp, sp = rank_batch(s), s.tp, s.sp
     # per unit, computed once: the count search below sums them over every prefix of every rank
     saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none"), unit_activation_bytes(u, b, tp, sp, s.recompute))
              for units in stages for u in units}

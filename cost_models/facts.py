@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from autopar.cost_models.context import AttentionLayer, attention_layers
 from autopar.cost_models.experts import ExpertLayer, expert_layers
 from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode, TensorMeta
 
@@ -54,8 +55,10 @@ class OpFacts:
     # shape is not known (convolutions): the roofline then prices it at the large-GEMM efficiency.
     gemm: GemmShape | None = None
 
-    def reduce_bytes_for(self, batch: int) -> float:
-        return self.reduce_bytes if self.reduce_per_microbatch else self.reduce_bytes * batch
+    def reduce_bytes_for(self, batch: float, share: float = 1.0) -> float:
+        """`share`: of each sequence's positions, the rank's (1/cp under context parallelism): a
+        position table's lookup reduces only the rows of those positions."""
+        return self.reduce_bytes * share if self.reduce_per_microbatch else self.reduce_bytes * batch
 
 
 class CutTensor(NamedTuple):
@@ -178,6 +181,7 @@ class ModelFacts:
     vocab: int | None = None
     param_tp_dims: dict[str, int] = field(default_factory=dict)  # tensor-parallel shard dim of each sharded parameter
     experts: tuple[ExpertLayer, ...] = ()  # MoE layers, for expert parallelism
+    attention: tuple[AttentionLayer, ...] = ()  # attention calls, for context parallelism
     extra: dict = field(default_factory=dict)
 
     @property
@@ -256,7 +260,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     return ModelFacts(
         model_name=graph.model_name, precision=graph.precision, seq_len=graph.seq_len or 1, units=units,
         num_params=graph.num_params, heads=heads, kv_heads=kv_heads, vocab=vocab,
-        param_tp_dims=tp_dims, experts=expert_layers(graph, unit_of),
+        param_tp_dims=tp_dims, experts=expert_layers(graph, unit_of), attention=attention_layers(graph, unit_of),
     )
 
 

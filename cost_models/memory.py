@@ -97,6 +97,7 @@ def device_memory(
     dispatch_bytes: float = 0.0,
     expert_params: float = 0.0,
     expert_dp: int = 1,
+    exchange_bytes: float = 0.0,
 ) -> MemoryBreakdown:
     """`offload="optimizer"` (FSDP2's CPUOffloadPolicy): every sharded state lives in host memory
     (`cost_models.offload`): the optimizer states (fp32 master weights and moments) always, the
@@ -120,6 +121,7 @@ def device_memory(
     else:
         buffers = 0.0
     buffers += dispatch_bytes  # ep: one MoE all-to-all's send and receive buffers
+    buffers += exchange_bytes  # cp: the attention exchange's blocks in flight (`cost_models.context`)
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
         buffers=buffers, margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers),

@@ -17,7 +17,8 @@ from autopar.plan_schema import Strategy
 from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
                                              vocab_parallel_head_collectives)
 from autopar.cost_models.communication import GroupLayout, collective_time_s
-from autopar.cost_models.compute import Efficiency, UnitTime, unit_time
+from autopar.cost_models.compute import Efficiency, UnitTime, op_time_s, unit_time
+from autopar.cost_models.context import rank_batch, replicas, unit_exchange_s
 from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_all_to_alls, unit_expert_params
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.memory import state_bytes_per_param
@@ -86,6 +87,8 @@ class StagePrices:
     # ep > 1, per stage and micro-batch: the MoE all-to-alls (forward, backward, recompute), exposed
     ep_comm_s: tuple[float, ...] = ()
     rank_expert_params: tuple[float, ...] = ()  # per pipeline rank: its share of expert parameters (over ep)
+    # cp > 1, per stage and micro-batch: the attention exchange (ring p2p or ulysses all-to-all), exposed
+    cp_comm_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,10 +109,22 @@ class Pricing:
     selective_repeats: bool = False  # selective recompute resends `recompute_repeats` (a dry run saw it)
 
     def timed(self, unit: Unit) -> UnitTime:
+        """One rank's passes: under cp, of its share of the micro-batch's positions (`context.rank_batch`)."""
         s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
-        key = self.cache.token(("time", gpu.name, dtype, s.microbatch, s.tp, s.sp, self.efficiency))
-        return self.cache.get(unit, (key,), lambda: unit_time(unit, gpu, dtype, batch=s.microbatch, tp=s.tp,
-                                                              sp=s.sp, efficiency=self.efficiency))
+        key = self.cache.token(("time", gpu.name, dtype, s.microbatch, s.cp, s.tp, s.sp, self.efficiency))
+        return self.cache.get(unit, (key,), lambda: unit_time(unit, gpu, dtype, batch=rank_batch(s), tp=s.tp,
+                                                              sp=s.sp, efficiency=self.efficiency, share=1 / s.cp))
+
+    def attention_s(self, unit: Unit) -> tuple[float, float]:
+        """(forward, backward) of the unit's attention kernels on one rank: what a ring's transfers hide behind."""
+        s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
+        key = self.cache.token(("attention", gpu.name, dtype, s.microbatch, s.cp, s.tp, self.efficiency))
+
+        def times() -> tuple[float, float]:
+            return tuple(sum(op_time_s(op, gpu, dtype, batch=rank_batch(s), tp=s.tp, sp=s.sp,
+                                       efficiency=self.efficiency) for op in ops if op.kind == "attention")
+                         for ops in (unit.forward_ops, unit.backward_ops))
+        return self.cache.get(unit, (key,), times)
 
     def tp_time_s(self, kind: str, size: float) -> float:
         return collective_time_s(kind, size, self.tp_layout, self.cluster)
@@ -144,7 +159,7 @@ def unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
     if pricing.recompute_repeats is not None:
         return _unit_part(pricing, unit, policy)
     s, cluster = pricing.strategy, pricing.cluster
-    key = pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.tp, s.sp, policy,
+    key = pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp, policy,
                                s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
                                cluster.inter_node))
     return pricing.cache.get(unit, (key,), lambda: _unit_part(pricing, unit, policy))
@@ -168,7 +183,7 @@ def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,
 
 def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
     s, cache = pricing.strategy, pricing.cache
-    b = s.microbatch
+    b = rank_batch(s)  # one rank's positions: b/cp sequences' worth
     t = pricing.timed(unit)
     full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache)
     recompute_s = transient = 0.0
@@ -176,7 +191,7 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         if s.tp == 1:
             repeated = []
         elif pricing.recompute_repeats is None:
-            repeated = recomputed_reductions(unit, b, s.sp)
+            repeated = recomputed_reductions(unit, b, s.sp, 1 / s.cp)
         else:
             repeated = [(kind, size * b, 1) for kind, size in pricing.recompute_repeats.get(unit.name, ())]
         recompute_s = t.forward_s + sum(times * pricing.tp_time_s(kind, size) for kind, size, times in repeated)
@@ -204,7 +219,7 @@ def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], forward_s: float, 
     with the stage's compute: at least the first layer's gather is exposed; all of them without
     `dp_overlap` (no prefetch)."""
     s = pricing.strategy
-    if s.zero < 3 or s.dp == 1:
+    if s.zero < 3 or replicas(s) == 1:
         return 0.0, 0.0
     per = state_bytes_per_param(pricing.facts.precision, s.optimizer_state)
     experts = sum(unit_expert_params(pricing.facts.experts, u.name) for u in units) if s.ep > 1 else 0.0
@@ -213,9 +228,9 @@ def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], forward_s: float, 
     scatter = collective_time_s("reduce_scatter", stage_params * GRADIENT_REDUCE_BYTES, pricing.dp_layout,
                                 pricing.cluster)
     if experts and s.dp > s.ep:  # ep: the expert slices over their replicas (`cost_models.experts`)
-        replicas = replica_layout(s, pricing.cluster.gpus_per_node)
-        gather += collective_time_s("all_gather", experts / s.ep * per.weight, replicas, pricing.cluster)
-        scatter += collective_time_s("reduce_scatter", experts / s.ep * GRADIENT_REDUCE_BYTES, replicas,
+        expert_replicas = replica_layout(s, pricing.cluster.gpus_per_node)
+        gather += collective_time_s("all_gather", experts / s.ep * per.weight, expert_replicas, pricing.cluster)
+        scatter += collective_time_s("reduce_scatter", experts / s.ep * GRADIENT_REDUCE_BYTES, expert_replicas,
                                      pricing.cluster)
     if not s.dp_overlap:
         return gather, gather + scatter
@@ -227,7 +242,7 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
     """Each (virtual) stage's forward and backward pass for one micro-batch, and each rank's holdings."""
     s = pricing.strategy
     stage_costs: list[StageCost] = []
-    compute, recompute, tp_comm, ep_comm = [], [], [], []
+    compute, recompute, tp_comm, ep_comm, cp_comm = [], [], [], [], []
     rank_params = [0.0] * s.pp
     rank_largest = [0.0] * s.pp
     rank_experts = [0.0] * s.pp
@@ -241,6 +256,7 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
         backward_comm = sum(p.backward_comm_s for p in parts)
         recompute_extra = sum(p.recompute_s for p in parts)
         ep_forward, ep_backward = _expert_all_to_alls_s(pricing, units, policies)
+        cp_forward, cp_backward = _context_exchange_s(pricing, units, policies)
         for unit, part in zip(units, parts):
             # 3-D expert weights: the graph's tp sharding leaves them whole on each tp rank
             experts = unit_expert_params(pricing.facts.experts, unit.name) if s.ep > 1 else 0.0
@@ -254,16 +270,32 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
                                                                 pricing.vocab))
         zero3_forward, zero3_backward = _zero3_exposed_s(pricing, units, forward, backward)
         stage_costs.append(StageCost(
-            index, rank, tuple(u.name for u in units), forward + forward_comm + zero3_forward + ep_forward,
-            backward + backward_comm + recompute_extra + zero3_backward + ep_backward,
+            index, rank, tuple(u.name for u in units), forward + forward_comm + zero3_forward + ep_forward + cp_forward,
+            backward + backward_comm + recompute_extra + zero3_backward + ep_backward + cp_backward,
             sum(p.activation_bytes for p in parts), max((p.transient_bytes for p in parts), default=0.0),
             sum(policy != "none" for policy in policies)))
         compute.append(forward + backward)
         recompute.append(recompute_extra)
         tp_comm.append(forward_comm + backward_comm + zero3_forward + zero3_backward)
         ep_comm.append(ep_forward + ep_backward)
+        cp_comm.append(cp_forward + cp_backward)
     return StagePrices(tuple(stage_costs), tuple(compute), tuple(recompute), tuple(tp_comm), tuple(rank_params),
-                       tuple(rank_largest), tuple(ep_comm), tuple(rank_experts))
+                       tuple(rank_largest), tuple(ep_comm), tuple(rank_experts), tuple(cp_comm))
+
+
+def _context_exchange_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence[str]) -> tuple[float, float]:
+    """One micro-batch's exposed attention exchange on a stage under cp > 1 (`cost_models.context`):
+    (forward, backward with full recompute's repeat)."""
+    s = pricing.strategy
+    forward = backward = 0.0
+    if s.cp == 1:
+        return forward, backward
+    for unit, policy in zip(units, policies):
+        f, b = unit_exchange_s(pricing.facts.attention, unit.name, s, policy, pricing.cluster,
+                               *pricing.attention_s(unit))
+        forward += f
+        backward += b
+    return forward, backward
 
 
 def _expert_all_to_alls_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence[str]) -> tuple[float, float]:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from autopar.cost_models.context import check_context
 from autopar.errors import AutoparError
 from autopar.plan_schema import Strategy
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "schedule", "vp",
-                 "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "offload", "ep")
+                 "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "offload", "ep", "cp",
+                 "cp_kind")
 _SWITCHES = ("sp", "dp_overlap", "tp_overlap")
-_RESERVED = {"cp": "context parallel (cp) is reserved for a later release: leave it out"}
 _CHOICES = {"recompute": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved"),
             "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16"),
-            "offload": ("none", "optimizer")}
+            "offload": ("none", "optimizer"), "cp_kind": ("ring", "ulysses")}
 
 
 def parse_strategy(text: str | None) -> dict[str, Any]:
@@ -27,8 +28,6 @@ def parse_strategy(text: str | None) -> dict[str, Any]:
         if not item:
             continue
         key, sep, value = (part.strip() for part in item.partition("="))
-        if key in _RESERVED:
-            raise AutoparError(_RESERVED[key])
         if not sep or key not in STRATEGY_KEYS:
             raise AutoparError(
                 f"bad --strategy item {item!r}: use key=value with keys {', '.join(STRATEGY_KEYS)}, e.g. tp=8,pp=4"
@@ -96,23 +95,25 @@ def even_stage_layers(layers: int, stages: int) -> list[int]:
 
 def check_strategy(
     strategy: Strategy, *, world_size: int, global_batch: int, layers: int,
-    heads: int | None = None, kv_heads: int | None = None, experts: int | None = None,
+    heads: int | None = None, kv_heads: int | None = None, experts: int | None = None, seq_len: int | None = None,
 ) -> None:
     """Raise AutoparError naming the first rule the strategy breaks. `experts`: the fewest experts of
-    the model's MoE layers (None: it has none)."""
+    the model's MoE layers (None: it has none); `seq_len`: the sequence cp cuts into chunks."""
     s = strategy
     if s.ep > 1 and not experts:
         raise AutoparError(f"ep={s.ep} shards mixture-of-experts layers, and this model has none: leave ep out")
     if s.ep > 1 and experts % s.ep:
         raise AutoparError(f"ep={s.ep} does not divide the {experts} experts of a MoE layer: choose ep dividing "
                            f"{experts}")
-    if s.dp * s.tp * s.pp != world_size:
-        raise AutoparError(f"dp×tp×pp = {s.dp}×{s.tp}×{s.pp} = {s.dp * s.tp * s.pp} but the cluster has "
-                           f"{world_size} GPUs: the product must equal the world size")
+    if s.dp * s.cp * s.tp * s.pp != world_size:
+        product = s.dp * s.cp * s.tp * s.pp
+        raise AutoparError(f"dp×cp×tp×pp = {s.dp}×{s.cp}×{s.tp}×{s.pp} = {product} but the cluster has {world_size} "
+                           f"GPUs: the product must equal the world size")
     if heads is not None and heads % s.tp:
         raise AutoparError(f"tp={s.tp} does not divide the {heads} attention heads: choose tp dividing {heads}")
     if kv_heads is not None and kv_heads % s.tp and s.tp % kv_heads:
         raise AutoparError(f"tp={s.tp} and the {kv_heads} key/value heads must divide one another")
+    check_context(s, seq_len, heads, kv_heads)
     if s.pp * s.vp > layers:
         raise AutoparError(f"pp×vp = {s.pp * s.vp} stages for {layers} layers: a stage needs at least one layer")
     if s.schedule == "interleaved" and layers % (s.pp * s.vp):
@@ -137,18 +138,20 @@ def check_strategy(
 
 
 def check_fixed_degrees(fixed: dict[str, Any], world_size: int) -> None:
-    """Fixed dp/tp/pp degrees must multiply to (all three) or divide (some) the world size."""
+    """Fixed dp/cp/tp/pp degrees must multiply to (all four) or divide (some) the world size."""
     ep = fixed.get("ep", 1)
     if world_size % ep or ("dp" in fixed and fixed["dp"] % ep):
         where = f"dp={fixed['dp']}" if "dp" in fixed and not world_size % ep else f"the world size {world_size}"
         raise AutoparError(f"ep={ep} shares dp's ranks but does not divide {where}: choose ep dividing dp")
-    degrees = {key: fixed[key] for key in ("dp", "tp", "pp") if key in fixed}
+    if fixed.get("cp_kind", "ring") != "ring" and fixed.get("cp", 2) == 1:
+        raise AutoparError(f"cp_kind={fixed['cp_kind']} splits sequences over cp > 1 ranks: drop cp=1 or cp_kind")
+    degrees = {key: fixed[key] for key in ("dp", "cp", "tp", "pp") if key in fixed}
     product = 1
     for value in degrees.values():
         product *= value
     text = "×".join(f"{k}={v}" for k, v in degrees.items())
-    if len(degrees) == 3 and product != world_size:
-        raise AutoparError(f"dp×tp×pp = {text} = {product} but the cluster has {world_size} GPUs: "
+    if len(degrees) == 4 and product != world_size:
+        raise AutoparError(f"dp×cp×tp×pp = {text} = {product} but the cluster has {world_size} GPUs: "
                            f"the product must equal the world size")
     if degrees and world_size % product:
         raise AutoparError(f"{text} = {product} does not divide the world size {world_size}: "

@@ -1,7 +1,7 @@
 """Candidate strategies: every completion of the keys the user fixed, ranked by the cost model.
 
-The searcher's outer loop: enumerate the completions of the free keys (dp/tp/pp, micro-batch, ZeRO,
-recompute, sp, schedule, vp), keep what the runtime can execute and what breaks no rule, and rank
+The searcher's outer loop: enumerate the completions of the free keys (dp/cp/tp/pp, micro-batch, ZeRO,
+recompute, sp, schedule, vp, ep, cp_kind), keep what the runtime can execute and what breaks no rule, and rank
 them with the closed-form pipeline estimate, each recomputing only the layers it needs to fit.
 `what_if` simulates the best few exactly on Megatron's layout (no ILP, even stages): the quick
 answer benchmarks use to price published configurations; `search` refines the same ranking with
@@ -28,6 +28,17 @@ from autopar.cost_models.strategy import check_fixed_degrees, check_strategy
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 VP_CHOICES = (2, 3, 4, 6, 8)
+CP_KINDS = ("ring", "ulysses")
+# Context parallelism is offered for long sequences only, so that ordinary searches enumerate what they
+# did (`--strategy cp=N` prices any length). Below 16K positions tp, sp and recompute fit a sequence's
+# activations, and Llama 3 trained its 8K stage without cp, turning it on for 128K (Dubey et al. 2024,
+# §3.3.2). And cp's exchange outgrows attention as a rank's chunk c = S/cp shrinks: a ring round hides
+# the 4·c·g·d bytes of a K/V block pair (g key/value heads, head dim d, 2-byte elements) behind about
+# 2·c²·h·d FLOPs of causal attention (h heads), so it needs c ≥ 2·F·g / (β·h): at the H100's attention
+# rate (F ≈ 350 TFLOP/s of causal work, `cluster` figures) that is ~2,000·g/h positions over NVLink
+# (β ≈ 360 GB/s) and ~15,000·g/h over a GPU's 400 Gb/s NIC. Chunks under 1,024 positions hide it on no link.
+CP_MIN_SEQUENCE = 16384
+CP_MIN_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -42,12 +53,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_degrees(world_size: int, seq_len: int | None) -> list[int]:
+    """The cp degrees the search offers: 1, and for a long sequence each divisor of the world size
+    leaving every rank a chunk of at least `CP_MIN_CHUNK` positions (see the constants' comment)."""
+    if not seq_len or seq_len < CP_MIN_SEQUENCE:
+        return [1]
+    return [d for d in _divisors(world_size) if d == 1 or seq_len // d >= CP_MIN_CHUNK]
+
+
 def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
-                experts: int | None = None) -> Iterator[Strategy]:
+                experts: int | None = None, seq_len: int | None = None) -> Iterator[Strategy]:
     """Every strategy with the fixed keys; the implementation profile is the fixed one or the
     runtime's (never enumerated: the searcher chooses only what the runtime runs). `experts`: the
     fewest experts of the model's MoE layers; ep is enumerated over the divisors of dp that divide
-    it (1 only for a model without MoE layers)."""
+    it (1 only for a model without MoE layers). `seq_len`: cp is enumerated over `context_degrees`,
+    each cp > 1 with both kinds (ring, ulysses) unless fixed."""
     def choices(key: str, options) -> list:
         return [fixed[key]] if key in fixed else list(options)
 
@@ -56,10 +76,11 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
     # without it (`with_offload_when_nothing_fits`).
     offload = fixed.get("offload", "none")
 
-    for tp, pp in product(choices("tp", _divisors(world_size)), choices("pp", _divisors(world_size))):
-        if world_size % (tp * pp):
+    for tp, pp, cp in product(choices("tp", _divisors(world_size)), choices("pp", _divisors(world_size)),
+                              choices("cp", context_degrees(world_size, seq_len))):
+        if world_size % (tp * pp * cp):
             continue
-        dp = world_size // (tp * pp)
+        dp = world_size // (tp * pp * cp)
         if "dp" in fixed and fixed["dp"] != dp:
             continue
         per_replica = global_batch // dp if global_batch % dp == 0 else 0
@@ -70,11 +91,12 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
             choices("sp", (False, True) if tp > 1 else (False,)),
             choices("schedule", ("1f1b", "interleaved", "gpipe") if pp > 1 else ("1f1b",)),
         ):
-            if zero > 0 and dp == 1 and "zero" not in fixed and offload == "none":
+            if zero > 0 and dp * cp == 1 and "zero" not in fixed and offload == "none":
                 continue  # nothing to shard over (offload needs FSDP2, at any dp)
             vps = choices("vp", VP_CHOICES if schedule == "interleaved" else (1,))
             eps = choices("ep", [d for d in _divisors(dp) if experts and experts % d == 0] or [1])
-            for vp, ep in product(vps, eps):
+            kinds = choices("cp_kind", CP_KINDS if cp > 1 else ("ring",))
+            for vp, ep, cp_kind in product(vps, eps, kinds):
                 if dp % ep:
                     continue
                 counts = fixed.get("recompute_layers")
@@ -85,7 +107,8 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
                 try:
                     yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
                                    num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
-                                   recompute_layers=counts, offload=offload, ep=ep, **profile)
+                                   recompute_layers=counts, offload=offload, ep=ep, cp=cp, cp_kind=cp_kind,
+                                   **profile)
                 except ValueError:
                     continue
 
@@ -110,13 +133,13 @@ def quick_evaluations(
     quick: list[Evaluation] = []
     count = 0
     experts = fewest_experts(facts.experts)
-    for strategy in completions(fixed, cluster.world_size, global_batch, experts):
+    for strategy in completions(fixed, cluster.world_size, global_batch, experts, facts.seq_len):
         count += 1
         reason = supports(strategy.model_copy(update=RUNTIME_PROFILE)) if supports is not None else None
         if reason is None:
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
-                               heads=facts.heads, kv_heads=facts.kv_heads, experts=experts)
+                               heads=facts.heads, kv_heads=facts.kv_heads, experts=experts, seq_len=facts.seq_len)
             except AutoparError as error:
                 reason = str(error)
         if reason is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
 from autopar.plan_schema import Strategy
+from autopar.cost_models.context import replicas
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, model_state_bytes,
                                         planning_capacity_bytes)
@@ -35,12 +36,12 @@ def layer_budget(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, we
     layers = len(facts.layer_units)
     if not layers:
         return None
-    state = sum(model_state_bytes(1.0, facts.precision, s.zero, s.dp))  # bytes per parameter
+    state = sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s)))  # bytes per parameter
     stages = s.pp * s.vp
     sizes = even_stage_layers(layers, stages) if stages <= layers else [1] * stages
     per_rank = max(sum(sizes[i] for i in range(rank, stages, s.pp)) for rank in range(s.pp))
     others = max(sum(u.params_on_device(s.tp) for u in facts.units if u.layer_type is None) * state, 0.0)
-    buffers = 2 * DDP_BUCKET_BYTES if s.dp > 1 and s.zero < 3 else 0.0
+    buffers = 2 * DDP_BUCKET_BYTES if replicas(s) > 1 and s.zero < 3 else 0.0
     capacity = planning_capacity_bytes(cluster.gpu.memory_bytes, cluster.memory_headroom) / (1 + FRAGMENTATION_MARGIN)
     held = 0.0
     if s.recompute == "none":

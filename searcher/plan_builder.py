@@ -15,7 +15,8 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
     s = candidate.strategy
     evaluation = candidate.evaluation
     owned = _unit_modules(graph, facts)
-    stage_size = s.dp * s.tp
+    stage_size = s.dp * s.cp * s.tp  # a pipeline rank's contiguous block of the row-major (pp, dp, cp, tp) mesh
+    stage_mesh = {"dp": s.dp, **({"cp": s.cp} if s.cp > 1 else {}), "tp": s.tp}
     stages = []
     for index, units in enumerate(candidate.stages):
         rank = index % s.pp
@@ -24,19 +25,23 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
             paths.extend([unit.name] if unit.layer_type is not None else owned.get(unit.name, []))
         stages.append(StagePlan(
             index=index, module_paths=list(dict.fromkeys(paths)), units=[unit.name for unit in units],
-            device_ids=list(range(rank * stage_size, (rank + 1) * stage_size)), mesh_shape={"dp": s.dp, "tp": s.tp},
+            device_ids=list(range(rank * stage_size, (rank + 1) * stage_size)), mesh_shape=dict(stage_mesh),
         ))
-    # ZeRO 1-3 run on FSDP2: parameters rest sharded over dp (gathered for compute; zero 3 also frees them after forward)
-    dp_part = "S(0)" if s.zero >= 1 and s.dp > 1 else "R"
+    # ZeRO 1-3 run on FSDP2: parameters rest sharded over dp (gathered for compute; zero 3 also frees them after
+    # forward), under cp over dp × cp (dp outer, cp inner: one dim-0 sharding of the flattened group)
+    sharded = s.zero >= 1 and s.dp * s.cp > 1
+    dp_part = "S(0)" if sharded and s.dp > 1 else "R"
+    cp_part = ("S(0)" if sharded else "R") if s.cp > 1 else ""
     tp_placements = planned_tp_placements(candidate.param_placements, graph, facts, s.tp)
-    param_placements = {name: dp_part + tp_part for name, tp_part in tp_placements.items()}
+    param_placements = {name: dp_part + cp_part + tp_part for name, tp_part in tp_placements.items()}
     if s.ep > 1:  # each expert parameter's experts split over its ep group (Strategy.ep)
         expert_params = {name for layer in graph.moe_layers for name in layer.expert_params}
         param_placements.update({name: "S(0)" + text[len(dp_part):] for name, text in param_placements.items()
                                  if name in expert_params})
     recompute = recomputed_units(candidate.stages, s)
     return Plan(
-        mesh=[MeshAxis(name="pp", size=s.pp), MeshAxis(name="dp", size=s.dp), MeshAxis(name="tp", size=s.tp)],
+        mesh=[MeshAxis(name="pp", size=s.pp), MeshAxis(name="dp", size=s.dp),
+              *([MeshAxis(name="cp", size=s.cp)] if s.cp > 1 else []), MeshAxis(name="tp", size=s.tp)],
         strategy=s,
         stages=stages,
         param_placements=param_placements,
@@ -115,7 +120,7 @@ def _predicted_collectives(candidate: Candidate, graph: OpGraph, facts: ModelFac
     for rank in range(s.pp):
         ledger = step_collectives(stages, s, facts.precision, rank, seq_len=facts.seq_len, vocab=vocab,
                                   recompute_repeats=repeats, tp_step=tp_step, selective_repeats=selective,
-                                  experts=facts.experts)
+                                  experts=facts.experts, attention=facts.attention)
         result.append([CollectiveRecord(axis=axis, kind=kind, calls=calls, bytes=round(size))
                        for (axis, kind), (calls, size) in ledger.items()])
     return result

@@ -1,7 +1,8 @@
 """The plan search: outer choices × inter-op partition × intra-op sharding, under one cost model.
 
 1. Enumerate every completion of the fixed keys over (dp, tp, pp, zero, recompute, micro-batch,
-   schedule, vp, sp) that the runtime can execute (`autopar.capabilities`) and that breaks no rule,
+   schedule, vp, sp, ep, and for long sequences cp and its kind: `candidates.context_degrees`) that the
+   runtime can execute (`autopar.capabilities`) and that breaks no rule,
    and rank them with the closed-form pipeline estimate on an even layer split, each recomputing
    only the layers its stages need to fit (`cost_models.recompute`).
 2. For the best few: propose each distinct unit's tensor-parallel placements with the intra-op
@@ -15,7 +16,8 @@
    input at hand), each tp layout, Megatron's and the ILP's, is dry-run instead: it is kept only if
    it runs (under the module rules or through DTensor, as the plan's `tp_realization` then says)
    and, without pipeline stages and sequence parallelism, priced from the collectives the dry run
-   recorded (`dry_run_units`).
+   recorded (`dry_run_units`). Context parallelism (cp > 1) runs Megatron's layout through the module
+   rules: the ILP's placements are not proposed for it.
 3. Keep the fastest plan that fits, the runners-up, and why-not rows for the obvious alternatives
    (`searcher.why_not`: why each loses, in numbers).
 No nn.Module is touched here: inputs are the op graph, its facts, the cluster and the capabilities
@@ -36,6 +38,7 @@ from autopar.graph.ir import OpGraph, TensorMeta
 from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
 from autopar.cost_models.communication import collective_time_s, group_layout
+from autopar.cost_models.context import rank_batch, replicas
 from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition, unit_activation_bytes,
                                   with_fewest_recomputed_layers)
 from autopar.cost_models.collectives import PlacedLayout, dry_run_ledger, dry_run_units, placed_units, step_collectives
@@ -237,7 +240,7 @@ def _rank_key(evaluation: Evaluation) -> tuple:
     s = evaluation.strategy
     # Fitting plans first, then speed; ties broken by a fixed order of the knobs (determinism).
     return (not evaluation.fits, round(evaluation.step_time_s, 9), s.pp, s.tp, s.zero, s.microbatch,
-            s.schedule, s.vp, s.recompute, s.sp, s.recompute_layers or ())
+            s.schedule, s.vp, s.recompute, s.sp, s.recompute_layers or (), s.cp, s.cp_kind)
 
 
 class Refiner:
@@ -339,6 +342,8 @@ class Refiner:
             megatron = self._dry_run_priced(strategy, {}, {})
             candidates = [megatron] if megatron is not None else []
         if strategy.sp and self.fixed.get("sp"):  # the user asked for Megatron sequence parallelism
+            return candidates[0] if candidates else None
+        if strategy.cp > 1:  # the runtime's cp runs the module rules' Megatron layout, not the ILP's placements
             return candidates[0] if candidates else None
         op_placements, proposed = self.proposals(strategy)
         if not op_placements:
@@ -445,11 +450,12 @@ class Refiner:
         stages = s.pp * s.vp
         if stages == 1 or s.recompute_layers is not None:  # fixed counts are per stage of the even split
             return None
-        state = sum(model_state_bytes(1.0, facts.precision, s.zero, s.dp))  # bytes per parameter
+        state = sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s)))  # bytes per parameter
+        batch = rank_batch(s)
         tp_layout = group_layout(s.tp, 1, self.cluster.gpus_per_node)
         costs = []
         for unit in facts.units:
-            t = unit_time(unit, self.cluster.gpu, facts.precision, batch=s.microbatch, tp=s.tp, sp=s.sp,
+            t = unit_time(unit, self.cluster.gpu, facts.precision, batch=batch, tp=s.tp, sp=s.sp,
                           efficiency=self.efficiency)
             comm = 0.0
             if s.tp > 1:
@@ -459,12 +465,12 @@ class Refiner:
                         comm += count * collective_time_s("all_reduce", total / count, tp_layout, self.cluster)
             recompute = t.forward_s if (s.recompute == "full" and unit.layer_type) else 0.0
             policy = s.recompute if unit.layer_type else "none"
-            full = unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, "none", self.cost_cache)
+            full = unit_activation_bytes(unit, batch, s.tp, s.sp, "none", self.cost_cache)
             params = unit.params_on_device(s.tp)
             costs.append(UnitCost(
                 time_s=t.forward_s + t.backward_s + comm + recompute,
                 state_bytes=params * state,
-                activation_bytes=unit_activation_bytes(unit, s.microbatch, s.tp, s.sp, policy, self.cost_cache),
+                activation_bytes=unit_activation_bytes(unit, batch, s.tp, s.sp, policy, self.cost_cache),
                 transient_bytes=full if policy != "none" else 0.0,
             ))
         bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,

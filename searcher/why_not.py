@@ -1,8 +1,9 @@
 """Why not the obvious alternatives: each row names a strategy a user might expect and why it loses, in numbers.
 
 Rows: the runners-up, then the best member of each obvious family (pure data parallel, tensor
-parallel inside a node only, no pipeline, and for a MoE model expert parallel), priced exactly as `refine` prices Megatron's layout and
-set against the chosen plan (the closest one when nothing fits). A row says how much slower it is
+parallel inside a node only, no pipeline, for a MoE model expert parallel, and where the search
+offers context parallelism the best plan without it, or with it when the chosen plan has none),
+priced exactly as `refine` prices Megatron's layout and set against the chosen plan (the closest one when nothing fits). A row says how much slower it is
 per token and which part of the step grew most, or which memory part overflows. A family with no
 valid member among the ranked completions is priced on its own: without the keys of `--strategy`
 it contradicts, and, when the global batch does not divide over its data-parallel ranks, at the
@@ -32,7 +33,7 @@ from autopar.searcher.candidates import completions, fit_recompute, quick_evalua
 GiB = 2**30
 SAME_SPEED = 1.005  # within 0.5% reads "as fast"
 # Keys of --strategy a family may contradict: they are dropped when pricing it on its own.
-_LAYOUT_KEYS = ("dp", "tp", "pp", "schedule", "vp")
+_LAYOUT_KEYS = ("dp", "tp", "pp", "schedule", "vp", "cp", "cp_kind")
 
 
 @dataclass
@@ -59,9 +60,16 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
         _add(rows, seen, _priced("runner-up", candidate.evaluation, reference), fitted)
     world, per_node = cluster.world_size, cluster.gpus_per_node
     tp_node = min(per_node, world)
-    families = {"pure data parallel": {"tp": 1, "pp": 1},
-                f"tensor parallel only (tp={tp_node})": {"tp": tp_node, "pp": 1},
+    families = {"pure data parallel": {"tp": 1, "pp": 1, "cp": 1},
+                f"tensor parallel only (tp={tp_node})": {"tp": tp_node, "pp": 1, "cp": 1},
                 "no pipeline (pp=1)": {"pp": 1}}
+    split = [e for e in quick if e.strategy.cp > 1]
+    if reference.strategy.cp > 1:  # why the sequence is split: the best plan that does not split it
+        families["no context parallel (cp=1)"] = {"cp": 1}
+    elif split:  # cp was offered (a long sequence) and lost: its best member
+        best_split = _best_of(split).strategy
+        families[f"context parallel (cp={best_split.cp}, {best_split.cp_kind})"] = {"cp": best_split.cp,
+                                                                                   "cp_kind": best_split.cp_kind}
     experts = fewest_experts(facts.experts)
     ep = max((d for d in range(2, world + 1) if world % d == 0 and experts and experts % d == 0), default=None)
     if ep is not None:  # a MoE model: its experts over as many ranks as they split into
@@ -121,9 +129,9 @@ def _family_on_its_own(degrees: dict[str, int], fixed: dict[str, Any], facts: Mo
     keys = {k: v for k, v in fixed.items()
             if k not in _LAYOUT_KEYS and not (k == "recompute_layers" and isinstance(v, tuple))}
     keys.update(degrees)
-    world, pp = cluster.world_size, degrees.get("pp", 1)
+    world, pp, cp = cluster.world_size, degrees.get("pp", 1), degrees.get("cp", 1)
     tp_options = [degrees["tp"]] if "tp" in degrees else [t for t in range(1, world + 1) if world % t == 0]
-    dp_options = {world // (t * pp) for t in tp_options if world % (t * pp) == 0}
+    dp_options = {world // (t * pp * cp) for t in tp_options if world % (t * pp * cp) == 0}
     larger = sorted({math.ceil(global_batch / dp) * dp for dp in dp_options} - {global_batch})
     rule = ""
     for batch in [global_batch] + larger[:2]:
@@ -144,13 +152,14 @@ def _commonest_rule(keys: dict[str, Any], facts: ModelFacts, cluster: ClusterSpe
     """The rule most completions of `keys` break at `batch` (the search's own checks, in its words)."""
     broken: dict[str, int] = {}
     dp = None
-    for strategy in completions(keys, cluster.world_size, batch, fewest_experts(facts.experts)):
+    for strategy in completions(keys, cluster.world_size, batch, fewest_experts(facts.experts), facts.seq_len):
         dp = strategy.dp
         reason = supports(strategy) if supports is not None else None
         if reason is None:
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=batch, layers=layers,
-                               heads=facts.heads, kv_heads=facts.kv_heads, experts=fewest_experts(facts.experts))
+                               heads=facts.heads, kv_heads=facts.kv_heads, experts=fewest_experts(facts.experts),
+                               seq_len=facts.seq_len)
             except AutoparError as error:
                 reason = str(error)
         if reason is not None:
@@ -192,7 +201,8 @@ def step_parts(evaluation: Evaluation) -> dict[str, float]:
     sync = min(exposed_sync_s(evaluation), b.get("exposed_communication", 0.0))
     return {"compute": b.get("compute", 0.0), "recompute": b.get("recompute", 0.0),
             "in_passes": b.get("exposed_communication", 0.0) - sync, "sync": sync,
-            "bubble": b.get("bubble", 0.0), "optimizer": b.get("optimizer", 0.0)}
+            "bubble": b.get("bubble", 0.0), "optimizer": b.get("optimizer", 0.0),
+            "context_exchange": b.get("context_exchange", 0.0)}
 
 
 def part_label(part: str, strategy: Strategy) -> str:
@@ -207,7 +217,9 @@ def part_label(part: str, strategy: Strategy) -> str:
         kinds = (["tensor-parallel collectives"] if strategy.tp > 1 else []) + \
                 (["ZeRO-3 weight gathers"] if strategy.zero >= 3 and strategy.dp > 1 else [])
         return "exposed " + (" and ".join(kinds) or "communication inside the passes")
-    return {"bubble": "pipeline bubble", "optimizer": "optimizer step"}.get(part, part)
+    return {"bubble": "pipeline bubble", "optimizer": "optimizer step",
+            "context_exchange": f"exposed context-parallel exchange (cp={strategy.cp} {strategy.cp_kind})"
+            }.get(part, part)
 
 
 def seconds_text(seconds: float) -> str:

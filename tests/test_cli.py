@@ -200,13 +200,13 @@ def test_plan_json_contract(capsys):
                                   "recompute_layers": None, "microbatch": 1, "num_microbatches": 8, "schedule": "1f1b", "vp": 1,
                                   # the implementation profile (issue #18): the autopar runtime's by default
                                   "attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
-                                  "optimizer_state": "fp32", "offload": "none", "ep": 1}
+                                  "optimizer_state": "fp32", "offload": "none", "ep": 1, "cp": 1, "cp_kind": "ring"}
     assert result["fits"] is True
     predicted = result["predicted"]
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes"):
         assert predicted[key] > 0
     assert set(predicted["breakdown"]) == {"compute", "exposed_communication", "bubble", "recompute", "optimizer",
-                                           "offload_transfer", "cpu_optimizer", "expert_all_to_all"}
+                                           "offload_transfer", "cpu_optimizer", "expert_all_to_all", "context_exchange"}
     assert predicted["breakdown"]["expert_all_to_all"] == 0  # ep=1
     assert predicted["breakdown"]["offload_transfer"] == predicted["breakdown"]["cpu_optimizer"] == 0  # offload=none
     assert predicted["tokens_per_s"] == pytest.approx(16 * 32 / predicted["step_time_s"])
@@ -233,8 +233,8 @@ def test_plan_that_cannot_fit_exits_3(capsys):
     "strategy, words",
     [
         ("tp=3", ["does not divide the world size 8"]),
-        ("dp=2,tp=2,pp=1", ["dp×tp×pp", "world size"]),
-        ("cp=2", ["reserved"]),
+        ("dp=2,tp=2,pp=1,cp=1", ["dp×cp×tp×pp", "world size"]),
+        ("cp=3", ["cp=3 = 3 does not divide the world size 8"]),
         ("tp=8,pp=1,dp=1", ["does not divide the 4 attention heads"]),
         ("pp=8,dp=1,tp=1", ["stages for 2 layers"]),
     ],

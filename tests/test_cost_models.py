@@ -148,7 +148,8 @@ def test_parse_strategy():
         "sp": True,
     }
     for bad, words in [("tp", "key=value"), ("foo=1", "key=value"), ("zero=5", "0 to 3"), ("tp=x", "whole number"),
-                       ("cp=2", "reserved"), ("recompute=some", "none, selective, full"), ("tp=2,tp=4", "twice")]:
+                       ("cp_kind=zigzag", "ring, ulysses"), ("recompute=some", "none, selective, full"),
+                       ("tp=2,tp=4", "twice")]:
         with pytest.raises(AutoparError, match=words):
             parse_strategy(bad)
 
@@ -156,7 +157,7 @@ def test_parse_strategy():
 @pytest.mark.parametrize(
     "changes, batch, words",
     [
-        (dict(tp=3, dp=1, pp=1), 8, "dp×tp×pp"),
+        (dict(tp=3, dp=1, pp=1), 8, "dp×cp×tp×pp"),
         (dict(dp=1, tp=16, pp=1, num_microbatches=8), 8, "does not divide the 8 attention heads"),
         (dict(dp=1, tp=1, pp=16, num_microbatches=16), 16, "stages for 8 layers"),
         (dict(num_microbatches=3), 6, "at least pp=4 micro-batches"),

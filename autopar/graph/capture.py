@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import CaptureError
 from autopar.graph import flops as work
+from autopar.graph.attention import AttentionRecorder
 from autopar.graph.ir import OpGraph, OpNode, ParamInfo, StepMemory, TensorMeta
 from autopar.graph.layers import detect_layer_types
 from autopar.graph.moe import find_moe_layers
@@ -74,6 +75,7 @@ def trace(
         raise CaptureError(f"model {name} has no trainable parameters: nothing to parallelize for training")
 
     tags = _ModuleTagger(model)
+    attention_calls = AttentionRecorder(model, tags.current_path)
     param_names, buffer_names = list(params), list(buffers)
     tensor_arg_positions = [i for i, a in enumerate(meta_args) if isinstance(a, torch.Tensor)]
     # Keyword tensors are graph inputs too: closed over, they would stay meta, not fake, and fail.
@@ -88,7 +90,7 @@ def trace(
         for slot, value in zip(tensor_arg_positions, inputs[:input_count]):
             call_args[slot] = value
         call_kwargs.update(zip(tensor_kwarg_keys, inputs[input_count:]))
-        with _GpuKernels(attention):
+        with _GpuKernels(attention, attention_calls):
             output = functional_call(model, (p, b), tuple(call_args), call_kwargs)
         tags.set_module("")
         loss = loss_fn(output, *call_args) if loss_fn is not None else _default_loss(output)
@@ -137,6 +139,7 @@ def trace(
         step_memory=_step_memory(params, dtype),
         torch_version=torch.__version__,
         moe_layers=find_moe_layers(model, seq),
+        attention_calls=attention_calls.calls(),
     )
 
 
@@ -161,9 +164,10 @@ class _GpuKernels(TorchFunctionMode):
     `native_dropout` CUDA uses. Grouped GEMM outside bf16, which torch's fake kernel (like the CUDA
     fast path) does not accept, is traced as `autopar::grouped_mm`."""
 
-    def __init__(self, attention: str) -> None:
+    def __init__(self, attention: str, recorder: AttentionRecorder | None = None) -> None:
         super().__init__()
         self.attention = attention
+        self.recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -176,6 +180,9 @@ class _GpuKernels(TorchFunctionMode):
         query, key, value = args[:3]
         rest = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]))
         rest.update(kwargs)
+        if self.recorder is not None:
+            self.recorder.record(query, key, causal=bool(rest.get("is_causal", False)),
+                                 masked=rest.get("attn_mask") is not None)
         if query.shape[-3] != key.shape[-3] and query.dim() == 4:  # grouped-query attention
             repeats = query.shape[-3] // key.shape[-3]
             key = key.repeat_interleave(repeats, dim=-3)

@@ -11,6 +11,7 @@ from typing import Literal
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field
 
+from autopar.graph.attention import AttentionCall
 from autopar.graph.moe import MoELayer
 
 DTYPE_BYTES = {
@@ -103,6 +104,7 @@ class OpGraph(BaseModel):
     step_memory: StepMemory
     torch_version: str
     moe_layers: list[MoELayer] = Field(default_factory=list)  # mixture-of-experts layers (`autopar.graph.moe`)
+    attention_calls: list[AttentionCall] = Field(default_factory=list)  # `autopar.graph.attention`
 
     # --- totals -------------------------------------------------------------------------------
     @property

@@ -61,7 +61,7 @@ CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weight + AdamW exp_avg + exp_avg_sq (run
 
 def checkpoint_cost(candidate: Any, cluster: ClusterSpec, hash_bytes_per_s: float | None = None):
     """The chosen strategy's checkpoint: bytes per GPU of each pipeline rank (the rank's parameters
-    over its dp × tp GPUs), the save time of cost_models/checkpoint.py, and Young/Daly's interval at
+    over its dp × cp × tp GPUs), the save time of cost_models/checkpoint.py, and Young/Daly's interval at
     Llama 3's failure rate. None when the candidate has no stages to count parameters from."""
     from autopar.cost_models import checkpoint as cost
     from autopar.report.model import CheckpointCost
@@ -77,7 +77,7 @@ def checkpoint_cost(candidate: Any, cluster: ClusterSpec, hash_bytes_per_s: floa
     params = [0] * s.pp
     for index, units in enumerate(stages):
         params[index % s.pp] += sum(unit.params for unit in units)
-    per_gpu = s.dp * s.tp
+    per_gpu = s.dp * s.cp * s.tp
     bytes_per_rank = [CHECKPOINT_BYTES_PER_PARAM * count / per_gpu for count in params]
     per_device = [bytes_per_rank[rank // per_gpu] for rank in range(s.pp * per_gpu)]
     ranks_per_node = min(cluster.gpus_per_node, len(per_device))
@@ -131,7 +131,8 @@ def mfu_basis(cluster: ClusterSpec, precision: str | None) -> MfuBasis | None:
 
 def mesh_info(strategy: Strategy, cluster: ClusterSpec) -> MeshInfo:
     """Each axis's groups: size, stride, how many nodes one spans and the link it talks over."""
-    sizes = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp}
+    sizes = {"pp": strategy.pp, "dp": strategy.dp, "cp": strategy.cp, "tp": strategy.tp}
+    order = [axis for axis in MESH_ORDER if axis != "cp" or strategy.cp > 1]
     per_node = cluster.gpus_per_node
     intra, inter = getattr(cluster, "intra_node", None), getattr(cluster, "inter_node", None)
     links = MeshLinks(
@@ -141,7 +142,7 @@ def mesh_info(strategy: Strategy, cluster: ClusterSpec) -> MeshInfo:
                                                        bandwidth_bytes_per_s=inter.effective_bandwidth_bytes_per_s))
     axes: dict[str, MeshAxisInfo] = {}
     stride = 1
-    for axis in reversed(MESH_ORDER):
+    for axis in reversed(order):
         size = sizes[axis]
         first = [k * stride for k in range(size)]
         nodes = len({rank // per_node for rank in first})
@@ -154,8 +155,8 @@ def mesh_info(strategy: Strategy, cluster: ClusterSpec) -> MeshInfo:
         axes[axis] = MeshAxisInfo(size=size, stride=stride, groups=cluster.world_size // size, nodes_per_group=nodes,
                                   within_node=nodes == 1, link=link, first_group=first)
         stride *= size
-    return MeshInfo(order=list(MESH_ORDER), world_size=cluster.world_size, gpus_per_node=per_node,
-                    num_nodes=cluster.num_nodes, links=links, axes={axis: axes[axis] for axis in MESH_ORDER})
+    return MeshInfo(order=order, world_size=cluster.world_size, gpus_per_node=per_node,
+                    num_nodes=cluster.num_nodes, links=links, axes={axis: axes[axis] for axis in order})
 
 
 def pipeline_info(chosen: EvaluationReport, evaluation: Any) -> PipelineInfo:

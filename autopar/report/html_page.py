@@ -19,11 +19,12 @@ from autopar.report.compare import ComparisonRow
 from autopar.report.model import MEMORY_PARTS, Report
 from autopar.report.svg import breakdown_svg, group_rows, memory_svg, mesh_svg, timeline_svg
 from autopar.report.timeline import idle_s, makespan_s, timeline
-from autopar.report.views import (GiB, checkpoint_lines, compact_units, counts_text, format_value, mfu_label, mfu_text,
-                                  obvious_rows, offload_text, rank_rows, recompute_text, runner_up_reasons)
+from autopar.report.views import (GiB, checkpoint_lines, compact_units, context_text, counts_text, format_value,
+                                  mfu_label, mfu_text, obvious_rows, offload_text, rank_rows, recompute_text,
+                                  runner_up_reasons)
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "num_microbatches",
-                 "schedule", "vp", "ep")
+                 "schedule", "vp", "ep", "cp", "cp_kind")
 MEASURED_START, MEASURED_END = "<!-- measured:start -->", "<!-- measured:end -->"
 SECTION_IDS = ("summary", "mesh", "stages", "timeline", "memory", "breakdown", "alternatives", "sharding")
 
@@ -55,8 +56,19 @@ def _value(strategy: Strategy, key: str) -> str:
 
 
 def _label(strategy: Strategy) -> str:
-    label = " ".join(f"{k}={_value(strategy, k)}" for k in STRATEGY_KEYS if getattr(strategy, k) is not None)
+    label = " ".join(f"{k}={_value(strategy, k)}" for k in _keys([strategy]) if getattr(strategy, k) is not None)
     return label + (f" offload={strategy.offload}" if strategy.offload != "none" else "")
+
+
+def _keys(strategies: list[Strategy]) -> list[str]:
+    """The strategy keys to show: cp and its kind only when some strategy splits sequences."""
+    context = any(s.cp > 1 for s in strategies)
+    return [k for k in STRATEGY_KEYS if context or k not in ("cp", "cp_kind")]
+
+
+def _context_paragraph(report: Report) -> str:
+    return (f'<p id="context-cost">context parallel: {escape(context_text(report))}</p>' if report.strategy.cp > 1
+            else "")
 
 
 def _summary_section(report: Report) -> str:
@@ -75,7 +87,7 @@ def _summary_section(report: Report) -> str:
             + (f' (fixed: {escape(", ".join(report.fixed))})' if report.fixed else "")
             + f'</p><div class="kpis">{cards}</div>{fits}'
             + (f'<p id="offload-cost">offload: {escape(offload_text(report))}</p>' if report.strategy.offload != "none"
-               else "")
+               else "") + _context_paragraph(report)
             + f'<p class="note" id="mfu-note">{escape(mfu_text(report.mfu_basis))}</p>'
             + (f'<p class="note">searched {search.candidates:,} strategies in {search.seconds:.1f} s</p>'
                if search else "") + _checkpoint_rows(report))
@@ -91,14 +103,15 @@ def _checkpoint_rows(report: Report) -> str:
 def _mesh_section(report: Report) -> str:
     rows = [[escape(cell) for cell in row] for row in group_rows(report)]
     return (_table(["axis", "group size", "groups", "ranks of the first group", "where", "link"], rows, "mesh-groups")
-            + '<p class="note">Ranks are laid out (pp, dp, tp) row-major, tp innermost, as the runtime builds its mesh.</p>'
+            + f'<p class="note">Ranks are laid out ({", ".join(report.mesh.order)}) row-major, tp innermost, as the '
+              'runtime builds its mesh.</p>'
             + mesh_svg(report))
 
 
 def _stages_section(report: Report) -> str:
     """One row per pipeline rank, its virtual stages listed (as the terminal report)."""
     s = report.strategy
-    per_rank = s.dp * s.tp
+    per_rank = s.dp * s.cp * s.tp
     memory = report.predicted.peak_memory_bytes_per_stage
     rows = []
     for row in rank_rows(report):
@@ -147,7 +160,7 @@ def _alternatives_section(report: Report) -> str:
     reasons = runner_up_reasons(report)
     columns = [("chosen", report)] + [(f"#{i + 2}", alt) for i, alt in enumerate(report.alternatives)]
     base = report.predicted.step_time_s
-    rows = [[k] + [escape(_value(c.strategy, k)) for _, c in columns] for k in STRATEGY_KEYS]
+    rows = [[k] + [escape(_value(c.strategy, k)) for _, c in columns] for k in _keys([c.strategy for _, c in columns])]
     rows.append(["step time"] + [f"{format_value(c.predicted.step_time_s, 's')} "
                                  f"({c.predicted.step_time_s / base:.2f}×)" for _, c in columns])
     rows.append(["MFU"] + [f"{c.predicted.mfu:.1%}" for _, c in columns])

@@ -21,7 +21,8 @@ REPORT_VERSION = 1
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "activations", "buffers", "margin")
 BREAKDOWN_PARTS = ("compute", "recompute", "exposed_communication", "bubble", "optimizer")
 OFFLOAD_PARTS = ("offload_transfer", "cpu_optimizer")  # listed only when the plan offloads
-MESH_ORDER = ("pp", "dp", "tp")  # row-major, tp innermost: the runtime's order (runtime/mesh.py)
+# Row-major, tp innermost: the runtime's order (runtime/mesh.py); a report's mesh has "cp" only when cp > 1.
+MESH_ORDER = ("pp", "dp", "cp", "tp")
 
 
 class _Part(BaseModel):
@@ -74,11 +75,14 @@ class Breakdown(_Part):
     cpu_optimizer: float = 0.0
     # ep > 1: the MoE dispatch and combine all-to-alls, exposed inside the passes
     expert_all_to_all: float = 0.0
+    # cp > 1: the attention exchange (ring K/V p2p, ulysses all-to-all) not hidden behind attention
+    context_exchange: float = 0.0
 
     def parts(self) -> list[tuple[str, float]]:
         offloaded = self.offload_transfer or self.cpu_optimizer
         experts = ("expert_all_to_all",) if self.expert_all_to_all else ()
-        return [(part, getattr(self, part)) for part in BREAKDOWN_PARTS + experts
+        context = ("context_exchange",) if self.context_exchange else ()
+        return [(part, getattr(self, part)) for part in BREAKDOWN_PARTS + experts + context
                 + (OFFLOAD_PARTS if offloaded else ())]
 
     @property
@@ -178,8 +182,8 @@ class MeshInfo(_Part):
         return [base + k * info.stride for k in range(info.size)]
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """A rank's (pp, dp, tp) coordinates in the row-major mesh."""
-        return {axis: (rank // self.axes[axis].stride) % self.axes[axis].size for axis in MESH_ORDER}
+        """A rank's (pp, dp, [cp,] tp) coordinates in the row-major mesh."""
+        return {axis: (rank // self.axes[axis].stride) % self.axes[axis].size for axis in self.order}
 
 
 class PipelineInfo(_Part):

@@ -1,8 +1,8 @@
 """The predicted training step as a Chrome/Perfetto trace (Trace Event Format, JSON).
 
-One process per pipeline rank (all dp×tp GPUs of a rank run the same timeline), with tracks for
-compute (forward/backward passes, which include their tensor-parallel collectives as the cost
-model does, then the optimizer step), point-to-point sends between stages, and the exposed
+One process per pipeline rank (all dp×cp×tp GPUs of a rank run the same timeline), with tracks for
+compute (forward/backward passes, which include their tensor-parallel collectives and, under cp,
+the attention exchange left exposed, as the cost model does, then the optimizer step), point-to-point sends between stages, and the exposed
 data-parallel gradient sync. Times are microseconds from the start of the step, so the file
 opens beside a torch.profiler trace in Perfetto or chrome://tracing. Built from the report model only.
 """
@@ -37,7 +37,7 @@ def trace_events(report: Report) -> dict[str, Any]:
     s = report.strategy
     pp, stages = s.pp, s.pp * s.vp
     p2p_us = p2p_s(report) * US_PER_S
-    gpus_per_rank = s.dp * s.tp
+    gpus_per_rank = s.dp * s.cp * s.tp
     events: list[dict[str, Any]] = []
     lanes: dict[tuple[int, int], list[float]] = {}
     send_lanes: set[tuple[int, int]] = set()
@@ -49,6 +49,10 @@ def trace_events(report: Report) -> dict[str, Any]:
 
     included = "tensor-parallel collectives" + (f" and the MoE dispatch/combine all-to-alls (ep={s.ep})"
                                                  if s.ep > 1 else "")
+    if s.cp > 1:
+        exposed_s = report.predicted.breakdown.context_exchange / max(s.num_microbatches, 1)
+        included += (f" and the context-parallel attention exchange (cp={s.cp} {s.cp_kind}), "
+                     f"{exposed_s * 1e3:.3f} ms per micro-batch not hidden behind attention")
     for x in timeline(report):
         start_us, end_us = x.start_s * US_PER_S, x.end_s * US_PER_S
         rank_end_us[x.rank] = max(rank_end_us[x.rank], end_us)
@@ -96,7 +100,9 @@ def trace_events(report: Report) -> dict[str, Any]:
                          "args": {"name": f"communication: p2p send{'' if tid == SEND_TID else f' {tid - SEND_TID + 1}'}"}})
     return {"traceEvents": metadata + events, "displayTimeUnit": "ms",
             "otherData": {"source": "autopar plan (predicted)", "model": report.model,
-                          "strategy": s.model_dump_json(), "step_time_s": report.predicted.step_time_s}}
+                          "strategy": s.model_dump_json(), "step_time_s": report.predicted.step_time_s,
+                          **({"context_exchange_s": report.predicted.breakdown.context_exchange} if s.cp > 1
+                             else {})}}
 
 
 def render_trace(report: Report) -> str:

@@ -21,7 +21,7 @@ MEMORY_COLOURS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_st
                   "activations": "#59a14f", "buffers": "#b07aa1", "margin": "#bab0ac"}
 BREAKDOWN_COLOURS = {"compute": "#4e79a7", "recompute": "#edc948", "exposed_communication": "#e15759",
                      "bubble": "#bab0ac", "optimizer": "#b07aa1", "offload_transfer": "#f28e2b",
-                     "cpu_optimizer": "#76b7b2", "expert_all_to_all": "#ff9da7"}
+                     "cpu_optimizer": "#76b7b2", "expert_all_to_all": "#ff9da7", "context_exchange": "#9c755f"}
 DETAIL_NODES = 2  # nodes drawn GPU by GPU; the rest are cells in the grid
 RECT_LIMIT = 800  # passes drawn as separate rectangles (with tooltips) up to this many
 
@@ -49,7 +49,7 @@ def _span(ranks: list[int]) -> str:
 def group_rows(report: Report) -> list[list[str]]:
     """One table row per mesh axis: axis, group size, count, an example group, where, link."""
     rows = []
-    for axis in ("tp", "dp", "pp"):
+    for axis in [a for a in ("tp", "cp", "dp", "pp") if a in report.mesh.axes]:
         info = report.mesh.axes[axis]
         where = "inside one node" if info.within_node else f"across {info.nodes_per_group} nodes"
         rows.append([axis, str(info.size), str(info.groups), _span(info.first_group), where, info.link])
@@ -84,7 +84,8 @@ def mesh_svg(report: Report) -> str:
             c = mesh.coordinates(rank)
             colour = PALETTE[(rank // tp_stride) % len(PALETTE)]
             gx = x0 + pad + slot * (gpu_w + 6)
-            body.append(f'<g><title>GPU {rank}: pp {c["pp"]}, dp {c["dp"]}, tp {c["tp"]}</title>'
+            where = ", ".join(f"{axis} {c[axis]}" for axis in mesh.order)
+            body.append(f'<g><title>GPU {rank}: {where}</title>'
                         f'<rect x="{gx}" y="{y + 20}" width="{gpu_w}" height="{gpu_h}" rx="4" fill="{colour}"/>'
                         f'<text x="{gx + gpu_w / 2}" y="{y + 35}" text-anchor="middle" fill="#fff" '
                         f'font-weight="bold">GPU {rank}</text><text x="{gx + gpu_w / 2}" y="{y + 50}" '

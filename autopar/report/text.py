@@ -7,7 +7,7 @@ from __future__ import annotations
 from autopar.cost_models.strategy import STRATEGY_KEYS
 from autopar.report.model import Report
 from autopar.report.views import (GiB, checkpoint_lines, compact_units, mfu_label, mfu_text, obvious_rows,
-                                  experts_text, offload_text, plural,
+                                  context_text, experts_text, offload_text, plural,
                                   rank_rows, recompute_text, runner_up_reasons, seconds_text, strategy_flag,
                                   strategy_label)
 
@@ -30,9 +30,11 @@ def _header(report: Report) -> str:
 
 def _layout(report: Report) -> str:
     s = report.strategy
-    extras = (["sequence parallel"] if s.sp else []) + ([f"zero={s.zero} ({_zero_text(s.zero)} over dp)"]
+    group = "dp × cp" if s.cp > 1 else "dp"
+    extras = (["sequence parallel"] if s.sp else []) + ([f"zero={s.zero} ({_zero_text(s.zero)} over {group})"]
                                                          if s.zero else [])
-    lines = [f"parallelism   tp={s.tp} × pp={s.pp} × dp={s.dp} = {s.tp * s.pp * s.dp} GPUs"
+    context = f" × cp={s.cp}" if s.cp > 1 else ""
+    lines = [f"parallelism   tp={s.tp}{context} × pp={s.pp} × dp={s.dp} = {s.tp * s.cp * s.pp * s.dp} GPUs"
              + "".join(f", {e}" for e in extras)]
     schedule = _SCHEDULES.get(s.schedule, s.schedule) if s.pp > 1 else "no pipeline"
     chunks = f", {s.vp} virtual stages per pipeline rank" if s.vp > 1 else ""
@@ -52,6 +54,8 @@ def _layout(report: Report) -> str:
         lines.append(f"offload       {offload_text(report)}")
     if s.ep > 1:
         lines.append(f"experts       {experts_text(report)}")
+    if s.cp > 1:
+        lines.append(f"context       {context_text(report)}")
     flag, note = strategy_flag(s, report.fixed)
     free = [key for key in STRATEGY_KEYS if key not in report.fixed]
     chosen = ("chosen by the cost model" if not report.fixed else f"fixed: {', '.join(report.fixed)}"

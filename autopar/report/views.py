@@ -50,6 +50,8 @@ def strategy_label(strategy: Strategy) -> str:
         label += f" offload={strategy.offload}"
     if strategy.ep > 1:
         label += f" ep={strategy.ep}"
+    if strategy.cp > 1:
+        label += f" cp={strategy.cp} cp_kind={strategy.cp_kind}"
     return label
 
 
@@ -74,6 +76,8 @@ def strategy_flag(strategy: Strategy, fixed: dict) -> tuple[str, str]:
         keys.append(f"offload={s.offload}")
     if s.ep > 1:
         keys.append(f"ep={s.ep}")
+    if s.cp > 1:
+        keys += [f"cp={s.cp}", f"cp_kind={s.cp_kind}"]
     return ",".join(keys), note
 
 
@@ -87,6 +91,23 @@ def experts_text(report: Report) -> str:
         f"groups of {s.ep} of the {s.dp} dp ranks ({s.dp // s.ep} replicas{sharded})"
     return (f"ep={s.ep}: each MoE layer's experts split over {groups}, tokens sent to them and back by "
             f"all-to-all: +{seconds_text(seconds)} per step not hidden ({share:.0%} of the step)")
+
+
+def context_text(report: Report) -> str:
+    """What cp > 1 does and costs the chosen plan, in one line."""
+    s, p = report.strategy, report.predicted
+    seconds = p.breakdown.context_exchange
+    share = seconds / p.step_time_s if p.step_time_s else 0.0
+    axis = report.mesh.axes.get("cp")
+    link = f" over {axis.link}" if axis is not None and axis.link != "none" else ""
+    if s.cp_kind == "ring":
+        how = (f"each sequence cut into {2 * s.cp} chunks, rank r of {s.cp} holding chunks r and {2 * s.cp - 1}−r; "
+               f"key/value blocks passed around the ring{link}, overlapped with attention")
+    else:
+        how = (f"each sequence cut into {s.cp} chunks; queries, keys, values and outputs re-sharded from sequence to "
+               f"heads and back by all-to-all{link}")
+    return (f"cp={s.cp} {s.cp_kind}: {how}: +{seconds_text(seconds)} per step not hidden ({share:.1%} of the step); "
+            f"weights replicated over cp, gradients reduced over dp × cp = {s.dp * s.cp}")
 
 
 def offload_text(report: Report) -> str:
