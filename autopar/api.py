@@ -252,7 +252,8 @@ def plan(
         capabilities = dataclasses.replace(capabilities, pipeline_refusal=pipeline_refusal(model, example_inputs))
     capabilities = dataclasses.replace(capabilities, expert_parallel_refusal=expert_parallel_refusal(facts.experts),
                                        context_parallel_refusal=context_parallel_refusal(facts.attention,
-                                                                                         bool(facts.experts)))
+                                                                                         bool(facts.experts))
+                                       or _model_context_refusal(model, loss_fn))
     if fallback:
         refusal = "tensor and pipeline parallelism need the training step's op graph, which could not be captured"
         capabilities = dataclasses.replace(capabilities, tensor_parallel_refusal=refusal, pipeline_refusal=refusal)
@@ -290,6 +291,17 @@ def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str
                                                                                     table):
             return table
     return dry
+
+
+def _model_context_refusal(model: nn.Module, loss_fn) -> str | None:
+    """What the runtime's context parallelism refuses in this model whatever the strategy (its class,
+    dropout, loss: `runtime.context_parallel.context_parallel_problem` at cp=2), so the search never
+    offers a cp plan that `autopar run` would refuse."""
+    from autopar.plan_schema import Strategy
+    from autopar.runtime.context_parallel import context_parallel_problem
+
+    probe = Strategy(dp=1, tp=1, pp=1, cp=2, microbatch=1, num_microbatches=1)
+    return context_parallel_problem(model, probe, None, loss_fn)
 
 
 def _priced_as_sent(probe, graph: OpGraph, facts, cluster: ClusterSpec, table) -> bool:

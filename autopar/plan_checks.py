@@ -40,10 +40,6 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
         if problem:
             return problem
     hints = model_hints(model)
-    if s.cp > 1:
-        problem = _context_parallel_problem(plan, model, hints)
-        if problem:
-            return problem
     if hints["heads"] and hints["heads"] % s.tp:
         return f"tp={s.tp} does not divide the model's {hints['heads']} attention heads"
     kv_heads = hints["kv_heads"]
@@ -68,29 +64,6 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
     if s.tp > 1 and plan.tp_realization == "modules":
         return check_tp_placements(model, {name: tp_placement(text) for name, text in plan.param_placements.items()},
                                    s.sp)
-    return None
-
-
-def _context_parallel_problem(plan: Plan, model: Any, hints: dict) -> str | None:
-    """What the runtime's context parallelism refuses in this model: another attention than the zoo's,
-    MoE layers, or a sequence (the planned input's) and heads the plan's cp cannot cut. The runtime's own
-    check (a `runtime.context_parallel` function, from the cp-runtime branch) belongs here beside these."""
-    from autopar.cost_models.context import check_context
-    from autopar.errors import AutoparError
-    from autopar.models.gpt import CausalSelfAttention
-    from autopar.models.moe import MoE
-
-    modules = list(model.modules())
-    if not any(isinstance(m, CausalSelfAttention) for m in modules):
-        return ("the runtime's context parallelism runs the zoo's causal attention (autopar.models gpt and llama); "
-                "this model's attention is its own: plan it with cp=1")
-    if any(isinstance(m, MoE) for m in modules):
-        return "the runtime's context parallelism runs dense models; this one has mixture-of-experts layers"
-    seq_len = plan.model_inputs[0].shape[0] if plan.model_inputs and plan.model_inputs[0].shape else None
-    try:
-        check_context(plan.strategy, seq_len, hints["heads"], hints["kv_heads"])
-    except AutoparError as error:
-        return str(error)
     return None
 
 

@@ -1,11 +1,8 @@
 """Context parallelism (cp, ring and Ulysses) on gloo processes: attention alone against one
 process's SDPA, then whole plans against one process's training (every loss to relative 1e-5, the
 gathered final weights to 1e-5, fp32) with each rank's collectives equal to the contract's closed
-form (`cp_rows`) plus the dp x cp plan's ledger ("dp" rows over dp x cp, named "dp_cp").
-
-Until the searcher emits cp plans, `cp_plan` builds them from the searcher's plan for dp' = dp x cp
-(the same ranks, micro-batches cp times larger over cp times fewer dp ranks: the same tokens per
-micro-batch), adding the "cp" mesh axis; replace it with `autopar.plan(..., strategy "cp=2")` then.
+form (`cp_rows`) and to the plan's own ledger (`cost_models.collectives.step_collectives`): the
+plans are the searcher's, with cp fixed as `--strategy cp=2` fixes it.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.plan_schema import MeshAxis, Plan, parse_placements
+from autopar.plan_schema import Plan
 
 from parity_harness import batches, make_plan, reference_run, run_plans, tiny_config
 
@@ -31,35 +28,16 @@ def one_thread():
 
 # --- plans ---------------------------------------------------------------------------------------
 
-def with_context_parallel(base: Plan, cp: int, kind: str) -> Plan:
-    """`base` (dp' ranks) rewritten for dp'/cp x cp: a parameter's cp placement is its dp one."""
-    s = base.strategy
-    dp = s.dp // cp
-    strategy = s.model_copy(update=dict(dp=dp, cp=cp, cp_kind=kind, microbatch=s.microbatch * cp))
-    sizes = {"pp": s.pp, "dp": dp, "cp": cp, "tp": s.tp}
-
-    def widen(text: str) -> str:
-        dp_part, tp_part = (k if d is None else f"{k}({d})" for k, d in parse_placements(text))
-        return dp_part + dp_part + tp_part
-
-    data = base.model_dump()
-    data.update(strategy=strategy.model_dump(), predicted=None,
-                mesh=[MeshAxis(name=name, size=size).model_dump() for name, size in sizes.items()],
-                stages=[dict(stage, mesh_shape={"dp": dp, "cp": cp, "tp": s.tp}) for stage in data["stages"]],
-                param_placements={k: widen(v) for k, v in base.param_placements.items()},
-                op_placements={k: widen(v) for k, v in base.op_placements.items()})
-    return Plan.model_validate(data)
-
-
 def cp_plan(family: str, overrides: dict, *, cp: int, kind: str, dp: int = 1, tp: int = 1, zero: int = 0,
-            recompute: str = "none", microbatch: int = 2) -> tuple[Plan, Plan]:
-    """(the cp plan, the searcher's dp x cp plan it was made from)."""
-    strategy = dict(dp=dp * cp, tp=tp, pp=1, zero=zero, microbatch=microbatch, recompute=recompute)
-    base = make_plan(family, overrides, strategy, dp * cp * tp, GLOBAL_BATCH)
-    return with_context_parallel(base, cp, kind), base
+            recompute: str = "none", microbatch: int = 2) -> Plan:
+    """The searcher's plan with cp fixed (`autopar.plan`, as `--strategy cp=...` asks), its micro-batches
+    `microbatch` x cp sequences: the tokens per rank of a dp x cp plan with micro-batches of `microbatch`."""
+    strategy = dict(dp=dp, cp=cp, cp_kind=kind, tp=tp, pp=1, zero=zero, microbatch=microbatch * cp,
+                    recompute=recompute)
+    return make_plan(family, overrides, strategy, dp * cp * tp, GLOBAL_BATCH)
 
 
-# --- the ledger's closed form --------------------------------------------------------------------
+# --- the ledger ----------------------------------------------------------------------------------
 
 def cp_rows(strategy, *, layers: int, seq: int, heads: int, kv_heads: int, head_dim: int,
             recomputed_layers: int = 0, activation_bytes: int = FP32) -> dict:
@@ -78,38 +56,20 @@ def cp_rows(strategy, *, layers: int, seq: int, heads: int, kv_heads: int, head_
     return {("cp", "all_to_all"): (8 * calls + 4 * repeats, 2 * forward * calls + forward * repeats)}
 
 
-def expected_ledger(plan: Plan, base: Plan, config: dict) -> dict:
-    """The dp x cp plan's rows ("dp" over dp x cp is "dp_cp") with the cp rows added. Under tp, a
-    micro-batch's tokens are the base's, but two tp collectives follow the shard's seq/cp positions:
-    the loss's three vocabulary-parallel reductions run over every local position (the last one
-    masked) instead of seq - 1 per sequence, and a sharded position embedding's output, [positions,
-    hidden] per micro-batch whatever its size, is seq/cp rows instead of seq."""
+def expected_ledger(plan: Plan, config: dict) -> dict:
+    """The plan's own ledger (`cost_models.collectives.step_collectives`, in `plan.predicted`), after
+    checking its "cp" rows against the contract's closed form (`cp_rows`)."""
     from autopar.cost_models.collectives import merge_world
 
     s = plan.strategy
-    rows = {}
-    for r in base.predicted.collectives[0]:
-        rows[("dp_cp" if r.axis == "dp" else r.axis, r.kind)] = (r.calls, r.bytes)
-    if s.tp > 1:
-        m, hidden = s.num_microbatches, config["hidden"]
-        calls, size = rows[("tp", "all_reduce")]
-        size += 3 * m * FP32 * (s.microbatch * SEQ // s.cp - base.strategy.microbatch * (SEQ - 1))
-        rows[("tp", "all_reduce")] = (calls, size)
-        kind = {"S(0)": "all_reduce", "S(1)": "all_gather"}.get(
-            _tp_part(base.param_placements.get("pos_embed.weight", "RR")))
-        if kind is not None:
-            calls, size = rows[("tp", kind)]
-            rows[("tp", kind)] = (calls, size - m * (SEQ - SEQ // s.cp) * hidden * FP32)
+    rows = {(r.axis, r.kind): (r.calls, r.bytes) for r in plan.predicted.collectives[0]}
     heads, layers = config["heads"], config["layers"]
     recomputed = layers if s.recompute == "full" else 0
-    rows.update(cp_rows(s, layers=layers, seq=SEQ, heads=heads, kv_heads=config.get("kv_heads", heads),
-                        head_dim=config["hidden"] // heads, recomputed_layers=recomputed))
+    closed = cp_rows(s, layers=layers, seq=SEQ, heads=heads, kv_heads=config.get("kv_heads", heads),
+                     head_dim=config["hidden"] // heads, recomputed_layers=recomputed)
+    priced = {key: value for key, value in rows.items() if key[0] == "cp"}
+    assert priced == {key: (calls, float(size)) for key, (calls, size) in closed.items()}, (s, priced, closed)
     return merge_world(rows, {axis.name: axis.size for axis in plan.mesh})
-
-
-def _tp_part(placement: str) -> str:
-    kind, dim = parse_placements(placement)[-1]
-    return kind if dim is None else f"{kind}({dim})"
 
 
 # --- attention alone -----------------------------------------------------------------------------
@@ -175,12 +135,12 @@ def _parity(world: int, family: str, cases: list[dict]) -> None:
     config = tiny_config(family)
     data = batches(config["vocab"], GLOBAL_BATCH, SEQ, STEPS)
     built = [cp_plan(family, config, **case) for case in cases]
-    jobs = [dict(plan=plan.to_json(), model=family, overrides=config, data=data) for plan, _ in built]
+    jobs = [dict(plan=plan.to_json(), model=family, overrides=config, data=data) for plan in built]
     results = run_plans(world, jobs)
     losses, state = reference_run(family, config, data)
-    for case, (plan, base), ranks in zip(cases, built, results):
+    for case, plan, ranks in zip(cases, built, results):
         label = ",".join(f"{k}={v}" for k, v in case.items())
-        expected = {key: (calls, round(size)) for key, (calls, size) in expected_ledger(plan, base, config).items()}
+        expected = {key: (calls, round(size)) for key, (calls, size) in expected_ledger(plan, config).items()}
         gathered = {}
         for rank, result in enumerate(ranks):
             torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=0,
@@ -243,7 +203,7 @@ def test_cp_sends_bf16_activations_under_bf16_autocast():
     config = tiny_config("llama")
     data = batches(config["vocab"], GLOBAL_BATCH, SEQ, 2)
     cases = [dict(cp=2, kind="ring"), dict(cp=2, kind="ulysses")]
-    plans = [cp_plan("llama", config, **case)[0] for case in cases]
+    plans = [cp_plan("llama", config, **case) for case in cases]
     results = run_plans(2, [dict(plan=p.to_json(), model="llama", overrides=config, data=data) for p in plans],
                         runner=bf16_job)
     losses, _ = reference_run("llama", config, data)
@@ -276,9 +236,9 @@ RUN_TRAIN = [*RUN_MODEL, "--global-batch", "4", "--lr", "3e-3", "--seed", "7", "
 @pytest.fixture(scope="module")
 def run_plan_file(tmp_path_factory):
     """A ring cp=2 plan file for RUN_CONFIG at global batch 4."""
-    base = make_plan("gpt", RUN_CONFIG, dict(dp=2, tp=1, pp=1, zero=0, microbatch=2), 2, 4)
+    plan = make_plan("gpt", RUN_CONFIG, dict(dp=1, cp=2, cp_kind="ring", tp=1, pp=1, zero=0, microbatch=4), 2, 4)
     path = tmp_path_factory.mktemp("cp") / "plan.json"
-    path.write_text(with_context_parallel(base, 2, "ring").to_json())
+    path.write_text(plan.to_json())
     return path
 
 
@@ -319,7 +279,7 @@ def test_a_hand_edited_cp_plan_is_checked_against_the_model(run_plan_file):
     plan = Plan.from_json(run_plan_file.read_text())
     assert plan_problem_for_model(plan, build_model("gpt", RUN_CONFIG).module) is None
     sp = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"tp": 2, "sp": True})})
-    assert "sequence parallelism (sp)" in plan_problem_for_model(sp, build_model("gpt", RUN_CONFIG).module)
+    assert "sequence parallelism" in plan_problem_for_model(sp, build_model("gpt", RUN_CONFIG).module)
 
 
 def test_run_refuses_checkpoints_under_cp_before_starting(tmp_path, capsys, run_plan_file):
