@@ -207,8 +207,11 @@ class ParallelModel:
 
     def executed_placements(self) -> dict[str, str]:
         """Each parameter's placement over the stage mesh (dp, tp; dp, cp, tp under context parallelism)
-        as it runs, in the plan's syntax ("S(0)R"): ZeRO's shards over dp x cp read S(0) on both."""
+        as it runs, in the plan's syntax ("S(0)R"): ZeRO's shards over dp x cp read S(0) on each of the
+        two that has more than one rank (R at dp=1, as the plan writes it)."""
         axes = [axis.name for axis in self.plan.mesh if axis.name != "pp"]
+        sizes = {axis.name: axis.size for axis in self.plan.mesh}
+        flattened = tuple(axis for axis in ("dp", "cp") if sizes.get(axis, 1) > 1)  # a size-1 axis reads R
         result = {}
         for name, param in self.named_parameters().items():
             parts = {"dp": "R", "cp": "R", "tp": "R"}
@@ -216,7 +219,7 @@ class ParallelModel:
                 for axis, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
                     dim = getattr(placement, "dim", None)
                     text = "R" if placement.is_replicate() else ("P" if dim is None else f"S({dim})")
-                    parts.update(dict.fromkeys(("dp", "cp") if axis == "dp_cp" else (axis,), text))
+                    parts.update(dict.fromkeys(flattened if axis == "dp_cp" else (axis,), text))
             if name in self.expert_params:  # experts split over the ep group (Strategy.ep)
                 parts["dp"] = "S(0)"
             result[self.canonical.get(name, name)] = "".join(parts[axis] for axis in axes)
