@@ -56,3 +56,15 @@ def tiny_gpt_fp32():
 def tiny_llama_fp32():
     _, graph, facts = traced_zoo("llama", TINY_LLAMA, precision="fp32")
     return graph, facts
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread (as the gloo workers run) is ~100x faster on a busy 2-core
+    machine. Modules whose tests build tiny plans in this process use it (`pytestmark`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -18,12 +18,7 @@ GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 FP32 = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- plans ---------------------------------------------------------------------------------------

@@ -32,13 +32,7 @@ SMALL = dict(layers=2, hidden=32, heads=4, vocab=96, seq_len=16, **MOE)
 HIDDEN, CAPACITY = 32, 8  # 4 experts, top 2, factor 1.0: 8 slots per expert for 16 tokens
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread (as the gloo workers run) is ~100x faster on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
