@@ -103,6 +103,7 @@ def _attention_parity(world: int) -> None:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{job} rank {rank} {name}: {m}")
 
 
+@pytest.mark.slow  # CI time (the 2-core CI machine sits near its 20-minute budget)
 def test_ring_and_ulysses_attention_match_sdpa_on_two_ranks():
     """Causal attention over the zigzag (ring, with GQA) and contiguous (Ulysses) shards: the output and
     the gradients of q, k and v equal one process's SDPA on the same positions (fp32, 1e-5)."""

@@ -279,6 +279,7 @@ def test_ep2_shares_dp2_and_trains_like_one_process(ep2_plan):
     _parity(2, [EP2], plans=[ep2_plan], layers=2)
 
 
+@pytest.mark.slow  # CI time (the 2-core CI machine sits near its 20-minute budget)
 def test_ep2_with_zero3_shards_expert_states_and_trains_like_one_process():
     """ZeRO-3 with ep = dp = 2: dense weights sharded over dp by FSDP2, each rank's experts its own
     (their replicas are one rank: FSDP2 sends nothing for them), gradients divided by dp."""
