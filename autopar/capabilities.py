@@ -191,26 +191,37 @@ class Capabilities:
         return None
 
     def _context_parallel_refusal(self, strategy: Strategy) -> str | None:
-        s = strategy
         if not self.context_parallel:
             return "the runtime has no context parallelism"
         if self.context_parallel_refusal:
             return self.context_parallel_refusal
-        if s.pp > 1:
-            return "the runtime runs context parallelism without pipeline stages: use pp=1 with cp > 1"
-        if s.sp:
-            return "the runtime runs context parallelism without sequence parallelism: use sp=false with cp > 1"
-        if s.ep > 1:
-            return "the runtime runs context parallelism on dense models only: use ep=1 with cp > 1"
-        if s.zero in (1, 2):
-            return (f"the runtime shards over dp × cp with ZeRO 0 or 3 only (FSDP2 fully sharded): use zero=0 or "
-                    f"zero=3 with cp > 1, not zero={s.zero}")
-        if s.offload != "none":
-            return "the runtime does not offload optimizer states with context parallelism: use offload=none with cp > 1"
-        if s.tp > 1 and self.tp_realization is not None:
+        reason = context_parallel_strategy_problem(strategy)
+        if reason:
+            return reason
+        if strategy.tp > 1 and self.tp_realization is not None:
             return ("the runtime's context parallelism runs module-rule tensor parallelism, and this model's tp is "
                     "decided by DTensor dry runs: use tp=1 with cp > 1")
         return None
+
+
+def context_parallel_strategy_problem(strategy: Strategy) -> str | None:
+    """Which of `strategy`'s other knobs the runtime's context parallelism does not run with, or None:
+    one list for the searcher's table and the runtime's check (`runtime.context_parallel`)."""
+    s = strategy
+    if s.cp <= 1:
+        return None
+    if s.pp > 1:
+        return "the runtime runs context parallelism without pipeline stages: use pp=1 with cp > 1"
+    if s.sp:
+        return "the runtime runs context parallelism without sequence parallelism: use sp=false with cp > 1"
+    if s.ep > 1:
+        return "the runtime runs context parallelism on dense models only: use ep=1 with cp > 1"
+    if s.zero in (1, 2):
+        return (f"the runtime shards over dp × cp with ZeRO 0 or 3 only (FSDP2 fully sharded): use zero=0 or "
+                f"zero=3 with cp > 1, not zero={s.zero}")
+    if s.offload != "none":
+        return "the runtime does not offload optimizer states with context parallelism: use offload=none with cp > 1"
+    return None
 
 
 RUNTIME_CAPABILITIES = Capabilities()

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from autopar.capabilities import context_parallel_strategy_problem
 from autopar.runtime.expert_parallel import _all_to_all
 
 IGNORE = -100  # F.cross_entropy's ignore_index: the last position has no next token
@@ -77,11 +78,9 @@ def context_parallel_problem(model: nn.Module, strategy, seq_len: int | None = N
         return "context parallelism runs dense models only: the zoo's MoE blocks are not sequence-sharded"
     if config.dropout > 0:
         return "context-parallel attention has no dropout: build the model with dropout=0"
-    for knob, refusal in ((s.pp > 1, "pipeline stages (pp > 1)"), (s.sp, "sequence parallelism (sp)"),
-                          (s.ep > 1, "expert parallelism (ep > 1)"), (s.zero in (1, 2), f"ZeRO {s.zero}"),
-                          (s.offload != "none", "optimizer offload")):
-        if knob:
-            return f"context parallelism (cp={s.cp}) does not run with {refusal} yet: leave it out with cp > 1"
+    reason = context_parallel_strategy_problem(s)
+    if reason:
+        return reason
     if s.tp > 1 and tp_realization != "modules":
         return "context parallelism runs with the module rules' tensor parallelism, not DTensor's"
     if loss_fn is not None and loss_fn is not lm_loss:
