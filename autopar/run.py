@@ -1,9 +1,9 @@
 """`autopar run`: train a model (the zoo's or a user's factory) under a plan, on the processes torchrun
 started (or on this one).
 
-The plan is either read from `--plan` or searched on the fly for the running world size; every
-rank searches the same inputs, and rank 0's plan is broadcast so that all ranks run one plan even if
-a solver broke a tie differently.
+The plan is either read from `--plan` or searched on the fly for the running world size: under
+torchrun rank 0 searches and broadcasts the plan (or its refusal), so all ranks run one plan and the
+dry runs and the solver run once.
 
 Data (`autopar/run_data.py`): a prepared token dataset (`--data DIR`), by default the embedded
 byte-level corpus of the Python standard library for zoo models; each dp rank's `TokenLoader` reads
@@ -72,7 +72,10 @@ class Environment:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     env = Environment.from_env()
+    had_group = dist.is_available() and dist.is_initialized()
     try:
         return _run(run_config(args), env)
     except RuntimeError as error:
@@ -82,6 +85,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"autopar: rank {env.rank}: a peer process failed ({first_line[:200]}); under torchrun "
               f"--max-restarts the job restarts from the last checkpoint", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    finally:
+        if not had_group and dist.is_available() and dist.is_initialized():  # made by the search or training
+            dist.destroy_process_group()
 
 
 def _peer_failure(error: RuntimeError) -> bool:
@@ -125,7 +131,7 @@ def _run(args: RunConfig, env: Environment) -> int:
     else:
         if args.global_batch is None:
             raise AutoparError("--global-batch is needed to search a plan (samples per optimizer step)")
-        plan = search_plan(spec, example, cluster, fixed, args.global_batch, seq_len, precision, env.rank)
+        plan = search_plan(spec, example, cluster, fixed, args.global_batch, seq_len, precision, env)
         global_batch = args.global_batch
 
     batch = batch_text(spec, example, global_batch, seq_len)
@@ -170,22 +176,14 @@ def _default_precision() -> str:
 
 def _train(args, env: Environment, launch: Launch) -> int:
     import torch
-    import torch.distributed as dist
 
     from autopar.runtime.launch import init_process_group
     from autopar.runtime.parallelize import parallelize
 
     spec, plan, precision = launch.spec, launch.plan, launch.precision
-    had_group = dist.is_available() and dist.is_initialized()
-    init_process_group(env.world_size, env.rank, env.local_rank)
+    init_process_group(env.world_size, env.rank, env.local_rank)  # a no-op when the search made it
     data = checkpointer = None
     try:
-        if env.world_size > 1:  # one plan for all ranks, whatever each rank's solver chose
-            from autopar.plan_schema import Plan
-
-            shared = [plan.to_json()]
-            dist.broadcast_object_list(shared, src=0)
-            plan = Plan.from_json(shared[0])
         parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=args.seed, precision=precision,
                                compile=args.compile)
         device = parallel.layout.device
@@ -224,8 +222,6 @@ def _train(args, env: Environment, launch: Launch) -> int:
     finally:
         if data is not None:
             data.close()
-        if not had_group and dist.is_initialized():  # whoever made it here (this call or parallelize)
-            dist.destroy_process_group()
     return 0
 
 

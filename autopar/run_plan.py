@@ -60,11 +60,41 @@ def plan_global_batch(plan, requested: int | None) -> int:
 
 
 def search_plan(spec, example, cluster, fixed: dict[str, Any], global_batch: int, seq_len: int, precision: str,
-                rank: int):
-    """`autopar.plan` on the model's example input (one sample) and loss, as `autopar plan` calls it."""
+                env):
+    """`autopar.plan` on the model's example input (one sample) and loss, as `autopar plan` calls it.
+    Under torchrun only rank 0 searches (dry runs and the solver run once, not once per process) and
+    broadcasts the plan, or its one-line refusal, which every rank then raises."""
+    if env.world_size == 1:
+        return _searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision, say=_to_stderr)
+    import torch.distributed as dist
+
+    from autopar.plan_schema import Plan
+    from autopar.runtime.launch import init_process_group
+
+    init_process_group(env.world_size, env.rank, env.local_rank)
+    # rank 0's answer: a plan's json, or a refusal and its exit code; a bug's stays as preset below
+    outcome: list[Any] = [None, "rank 0's plan search failed: see rank 0's output", 1]
+    try:
+        if env.rank == 0:
+            try:
+                outcome = [_searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision,
+                                          say=_to_stderr).to_json(), None, 0]
+            except AutoparError as error:
+                outcome = [None, str(error), error.exit_code]
+    finally:  # also when rank 0's search raised something else: the others then stop with one line
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise AutoparError(outcome[1], exit_code=outcome[2])
+    return Plan.from_json(outcome[0])
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision, say):
     import autopar
 
-    say = (lambda message: print(message, file=sys.stderr, flush=True)) if rank == 0 else None
     result = autopar.plan(spec.module, (example,), cluster=cluster, global_batch=global_batch,
                           strategy=fixed, loss_fn=spec.loss_fn, precision=precision, name=spec.name, seq_len=seq_len,
                           progress=say)

@@ -225,3 +225,41 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     assert "SIGTERM: stopped after step" in out and "Traceback" not in err
     saved = sorted((tmp_path / "ck").glob("step-*"))
     assert len(saved) == 1 and 2 <= int(saved[0].name.split("-")[1]) < 100000
+
+
+def _search_on_two_ranks(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks calling `run_plan.search_plan`: rank 1's own search raises if it runs."""
+    from autopar import run_plan
+    from autopar.errors import AutoparError
+    from autopar.models import build_model
+    from autopar.run import Environment
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    if rank == 1:
+        def searched_on_rank_1(*args, **kwargs):
+            raise AssertionError("rank 1 searched")
+
+        run_plan._searched_plan = searched_on_rank_1
+    spec = build_model("gpt", "layers=2,hidden=32,heads=4,vocab=64,seq_len=16")
+    (example,) = spec.example_inputs(1, 16)
+    cluster, env = run_plan.planning_cluster("local", 2), Environment(world_size=2, rank=rank, local_rank=rank)
+    plan = run_plan.search_plan(spec, example, cluster, {"dp": 2}, 4, 16, "fp32", env)
+    try:
+        run_plan.search_plan(spec, example, cluster, {"microbatch": 2}, 3, 16, "fp32", env)
+        refusal = None
+    except AutoparError as error:
+        refusal = [str(error), error.exit_code]
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"plan": plan.to_json(), "refusal": refusal}))
+
+
+def test_under_torchrun_rank_0_alone_searches_and_every_rank_gets_its_plan_or_refusal(tmp_path, one_thread):
+    import torch.multiprocessing as mp
+
+    from tests.parity_harness import _free_port
+
+    mp.spawn(_search_on_two_ranks, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert first == second  # rank 1 never searched (it would have raised): it holds rank 0's answers
+    assert json.loads(first["plan"])["strategy"]["dp"] == 2
+    assert "not divisible" in first["refusal"][0] and first["refusal"][1] == 2
