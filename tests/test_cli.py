@@ -218,6 +218,14 @@ def test_plan_fills_in_free_keys_and_prints_a_report(capsys):
     assert "tp=2" in out and "chosen by the cost model" in out and "runners-up" in out
 
 
+def test_a_published_run_priced_as_it_ran_prints_its_report(capsys):
+    """The implementation knobs of issue #18 in the text report, a fractional dropout included."""
+    code, out, _ = run(capsys, *PLAN_SMALL, "--strategy", "dp=8,zero=3,attention=math,dropout=0.1,dp_overlap=false")
+    assert code == 0
+    assert "fixed: dp, zero, attention, dropout, dp_overlap;" in out
+    assert "runs attention=fused" in out  # priced as other software ran it: the runtime would not run it so
+
+
 def test_plan_that_cannot_fit_exits_3(capsys):
     code, out, err = run(capsys, "plan", "--model", "gpt3-175b", "--seq-len", "256", "--global-batch", "8",
                          "--cluster", "dgx-h100", "--gpus", "8", "--strategy", "dp=8,tp=1,pp=1,zero=0")

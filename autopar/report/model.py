@@ -251,7 +251,7 @@ class Report(EvaluationReport):
     cluster: ClusterInfo
     global_batch: int
     seq_len: int | None
-    fixed: dict[str, bool | int | str | list[int]] = {}  # the --strategy keys; the rest were chosen
+    fixed: dict[str, bool | int | float | str | list[int]] = {}  # the --strategy keys; the rest were chosen
     capacity_bytes: float
     mfu_basis: MfuBasis | None = None
     search: SearchStats | None = None
