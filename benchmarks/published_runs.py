@@ -231,14 +231,20 @@ def published_run(row: dict[str, Any]) -> PublishedRun | str:
                         supplemented=list(row.get("_supplemented", [])))
 
 
+_TRACED: dict[tuple, tuple] = {}  # rows of one model share its trace (a 175B trace takes ~15 s)
+
+
 def trace_run(run: PublishedRun) -> PublishedRun:
     """Build the GPT the row trained on the meta device and condense its graph (fused attention,
     no dropout: the profile prices what the run had instead)."""
     r = run.row
     config = {"layers": r["layers"], "hidden": r["hidden"], "heads": r["heads"], "vocab": run.vocab,
               "seq_len": r["seq_len"], "tie_embeddings": run.tied}
-    spec = build_model("gpt", config)
-    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision=run.precision, name=run.id)
-    run.graph, run.facts = graph, model_facts(graph, heads=r["heads"], vocab=run.vocab)
-    run.num_params = graph.num_params
+    key = (*sorted(config.items()), run.precision)
+    if key not in _TRACED:
+        spec = build_model("gpt", config)
+        graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision=run.precision, name=run.id)
+        _TRACED[key] = (graph, model_facts(graph, heads=r["heads"], vocab=run.vocab))
+    run.graph, run.facts = _TRACED[key]
+    run.num_params = run.graph.num_params
     return run
