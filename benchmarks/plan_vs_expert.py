@@ -1,6 +1,6 @@
 """Searched plans vs the experts' hand-tuned configurations, under the same cost model.
 
-For every row of the published runs: the published strategy costed as it ran (as
+For every row of the published runs in scope (`validate_published.py`'s files): the published strategy costed as it ran (as
 `validate_published.py` prices it: even split, micro-batch and schedule chosen by the cost model
 where the row does not give them), and the searched plan on the same cluster and batch, under the
 same implementation profile (attention kernel, dropout, overlap), which the search keeps fixed.
@@ -12,7 +12,6 @@ Goal (issue #5): searched ≤ published for every row (ratio ≤ 1).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from pathlib import Path
 
@@ -20,18 +19,20 @@ from autopar.cost_models.implementation import PROFILE_KEYS
 from autopar.cost_models.strategy import parse_strategy
 from autopar.searcher.candidates import what_if
 from autopar.searcher.search import search
-from published_runs import published_run, trace_run  # the same model and fixed keys as the validation
+from published_runs import load_runs, published_run, trace_run  # the same rows, model and fixed keys as the validation
 
-RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json"
+RUNS = [Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json",
+        Path(__file__).resolve().parent / "published_runs_more.json"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default=str(RUNS))
+    parser.add_argument("--runs", nargs="+", default=[str(path) for path in RUNS], help="published-runs JSON files")
     parser.add_argument("--only", default="")
     parser.add_argument("--no-ilp", action="store_true")
     args = parser.parse_args()
-    runs = json.loads(Path(args.runs).read_text())["runs"]
+    # rows out of the cost model's scope (`validate_published.py`) have no price to compare against
+    runs = [row for path in args.runs for row in load_runs(path)[1] if not row.get("out_of_scope")]
     if args.only:
         runs = [r for r in runs if r["id"] in args.only.split(",")]
     print(f"machine: {platform.node()} {platform.machine()}")
