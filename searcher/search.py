@@ -41,7 +41,8 @@ from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.context import rank_batch, replicas
 from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition, unit_activation_bytes,
                                   with_fewest_recomputed_layers)
-from autopar.cost_models.collectives import PlacedLayout, dry_run_ledger, dry_run_units, placed_units, step_collectives
+from autopar.cost_models.collectives import step_collectives
+from autopar.cost_models.placed_collectives import PlacedLayout, dry_run_ledger, dry_run_units, placed_units
 from autopar.cost_models.recompute import recomputed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.collectives import head_vocab

@@ -127,7 +127,8 @@ def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts(precision,
     Under bf16 autocast the ledger prices every activation collective in bf16, as Megatron-LM sends
     them: the block inputs, the head's input and the embedding's partial output are sent so too
     (runtime/tp_autocast.py), with sequence parallelism's all-gathers and reduce-scatters."""
-    from autopar.cost_models.collectives import dry_run_ledger, step_collectives
+    from autopar.cost_models.collectives import step_collectives
+    from autopar.cost_models.placed_collectives import dry_run_ledger
     from autopar.cost_models.facts import model_facts
     from autopar.cost_models.collectives import head_vocab
     from autopar.graph import trace
