@@ -277,7 +277,7 @@ def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str
     A head that reads one token (ViT's classifier) sends less than that ledger says; such a model is
     priced from dry runs."""
     from autopar.runtime.tensor_parallel import capabilities_for
-    from autopar.searcher.search import module_rules_refusal, planned_tp_placements
+    from autopar.searcher.tp_placements import module_rules_refusal, planned_tp_placements
 
     table = capabilities_for(model)
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -307,7 +307,8 @@ def _model_context_refusal(model: nn.Module, loss_fn) -> str | None:
 def _priced_as_sent(probe, graph: OpGraph, facts, cluster: ClusterSpec, table) -> bool:
     """Whether the module rules' analytic ledger for one micro-batch at tp=2 is what the probe sent."""
     from autopar.cluster import size_cluster
-    from autopar.searcher.search import same_tp_ledger, search
+    from autopar.searcher.search import search
+    from autopar.searcher.tp_placements import same_tp_ledger
 
     # offload fixed: a model too large for two GPUs must not start the search's offload pass (its
     # ledger is all this asks for, and the best candidate or the closest one carries it)

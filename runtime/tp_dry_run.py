@@ -9,7 +9,7 @@ step's gradient synchronization. It answers two questions:
   placements (before any process trains, never a crash mid-step);
 - what does it send? Every collective (kind, bytes, phase, the innermost module running it) is
   recorded where the runtime's own counter records it (`runtime.collectives`), so the plan is
-  priced from what the runtime will execute (`cost_models.collectives.dry_run_units`).
+  priced from what the runtime will execute (`cost_models.placed_collectives.dry_run_units`).
 Layers the plan may recompute run under full recompute: what their recomputation resends is
 recorded apart, per layer ("recompute").
 

@@ -6,6 +6,7 @@
     memory_budget   a layer's share of device memory, the ILP's memory row
     inter_op        the dynamic program cutting units into pipeline stages
     search          the composition: rank, refine the best few, keep the fastest plan that fits
+    tp_placements   each parameter's tp placement in a plan; whether Megatron's layout runs
     why_not         the runners-up and obvious alternatives, each with why it loses, in numbers
     plan_builder    the chosen candidate as a Plan (autopar.plan_schema)
 """

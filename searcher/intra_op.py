@@ -1,7 +1,7 @@
 """Intra-op ILP: a tensor-parallel sharding strategy for every op of one pipeline unit.
 
 A proposal generator: the searcher takes the parameter placements it chooses, checks the runtime
-can run them, and prices them as the runtime runs them (`cost_models.collectives.placed_units`,
+can run them, and prices them as the runtime runs them (`cost_models.placed_collectives.placed_units`,
 the evaluator Megatron candidates go through). Its own objective below ranks shardings inside one
 unit only; it is not a plan's predicted cost (it knows neither the runtime's module-by-module
 collectives nor the vocabulary-parallel loss, and solves a tied embedding and head separately).

@@ -5,10 +5,12 @@ from __future__ import annotations
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph
 from autopar.plan_schema import CollectiveRecord, MeshAxis, ModelInput, Plan, PredictedMetrics, Provenance, StagePlan
-from autopar.cost_models.collectives import placed_units, step_collectives
+from autopar.cost_models.collectives import step_collectives
+from autopar.cost_models.placed_collectives import placed_units
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.recompute import recomputed_units
-from autopar.searcher.search import Candidate, planned_tp_placements
+from autopar.searcher.search import Candidate
+from autopar.searcher.tp_placements import planned_tp_placements
 
 
 def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster: ClusterSpec) -> Plan:

@@ -216,7 +216,8 @@ def tiny_gpt(tiny_gpt_fp32):
 
 
 def _placed_ledger(graph, facts, placements, s, rank=0):
-    from autopar.cost_models.collectives import placed_units, step_collectives
+    from autopar.cost_models.collectives import step_collectives
+    from autopar.cost_models.placed_collectives import placed_units
     from autopar.cost_models.evaluate import partition
 
     placed = placed_units(graph, facts.units, placements, s.microbatch)

@@ -93,7 +93,7 @@ def test_frozen_and_unread_parameters_in_the_priced_gradient_sync():
 def test_batch_expanded_queries_cross_the_cut_per_sample():
     """Traced at batch 2, the queries ([batch, 4, 16], made from weights alone) are priced per sample;
     traced at batch 1 they are not told apart from a weight-made tensor (the gap the docstring of
-    `cost_models.facts._cut_tensors` states)."""
+    `cost_models.units.cut_tensors` states)."""
     strategy = dict(dp=1, tp=1, pp=2, schedule="gpipe", microbatch=2)
     per_sample = _ledger(_plan(strategy))[("pp", "send")]
     once = _ledger(_plan(strategy, example_batch=1))[("pp", "send")]

@@ -16,7 +16,8 @@ from autopar.cost_models.facts import model_facts
 from autopar.runtime.tensor_parallel import capabilities_for
 from autopar.searcher.intra_op import solve_unit
 from autopar.searcher.intra_op_rules import equal, forbidden
-from autopar.searcher.search import one_each_proposal, Refiner, planned_tp_placements, search
+from autopar.searcher.search import Refiner, search
+from autopar.searcher.tp_placements import one_each_proposal, planned_tp_placements
 
 CLUSTER = load_cluster("dgx-h100", gpus=8)
 GLOBAL_BATCH = 32

@@ -192,7 +192,7 @@ def _placed_plan(model: str, overrides: dict, strategy: dict, world: int, placem
 
     from autopar.runtime.tensor_parallel import capabilities_for
     from autopar.searcher.plan_builder import build_plan
-    from autopar.searcher.search import executed_tp_placements
+    from autopar.searcher.tp_placements import executed_tp_placements
 
     chosen, graph, facts, cluster, module = _searched(model, overrides, strategy, world)
     placements = {p.name: placements.get(p.name, "R") for p in graph.params}

@@ -105,7 +105,7 @@ def test_multihead_attention_stays_replicated_with_a_reason():
     """DTensor cannot shard nn.MultiheadAttention per head (its forward folds heads into the batch
     dimension): the dry run finds where it fails, keeps that module replicated, shards the rest."""
     from autopar.runtime.tensor_parallel import capabilities_for
-    from autopar.searcher.search import planned_tp_placements
+    from autopar.searcher.tp_placements import planned_tp_placements
 
     model = AttentionLM()
     example, graph, facts = _graph(model)
@@ -127,14 +127,15 @@ def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts(precision,
     Under bf16 autocast the ledger prices every activation collective in bf16, as Megatron-LM sends
     them: the block inputs, the head's input and the embedding's partial output are sent so too
     (runtime/tp_autocast.py), with sequence parallelism's all-gathers and reduce-scatters."""
-    from autopar.cost_models.collectives import dry_run_ledger, step_collectives
+    from autopar.cost_models.collectives import step_collectives
+    from autopar.cost_models.placed_collectives import dry_run_ledger
     from autopar.cost_models.facts import model_facts
     from autopar.cost_models.collectives import head_vocab
     from autopar.graph import trace
     from autopar.models import build_model
     from autopar.plan_schema import Strategy
     from autopar.runtime.tensor_parallel import capabilities_for
-    from autopar.searcher.search import planned_tp_placements
+    from autopar.searcher.tp_placements import planned_tp_placements
 
     spec = build_model("gpt", tiny_config())
     graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, name="gpt", seq_len=16,

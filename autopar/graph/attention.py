@@ -5,7 +5,7 @@ arguments cp is priced from: whether the call is causal (the zigzag's load balan
 how many key/value heads the module projects before a grouped-query repeat (what a ring rotates
 and an all-to-all re-shards), and whether the module is the zoo's attention, which the runtime's
 context parallelism runs. The capture records every `scaled_dot_product_attention` call with the
-module that made it (`AttentionRecorder`, fed by the capture's kernel mode).
+module that made it (`AttentionRecorder`, fed by the capture's kernel mode, `kernels.GpuKernels`).
 """
 
 from __future__ import annotations
