@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from autopar.graph.ir import OpGraph, OpNode
 from autopar.cost_models.facts import OpFacts, Unit
+from autopar.cost_models.tp_shards import op_packet
 
 
 @dataclass(frozen=True)
@@ -194,11 +195,6 @@ def _with_moves_and_shards(graph: OpGraph, units: Sequence[Unit], unit_of: dict[
     return placed
 
 
-def _packet(node: OpNode) -> str:
-    parts = node.op.split(".")
-    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else node.op
-
-
 def _inside(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
@@ -209,7 +205,7 @@ def _entering_bytes(by_name: dict[str, OpNode], node: OpNode, module: str) -> fl
     names = node.input_names or node.inputs
     for name, meta in zip(names, node.input_meta):
         while name in by_name and _inside(by_name[name].module_path, module) and (
-                by_name[name].is_view or _packet(by_name[name]) == "_to_copy") and by_name[name].input_meta:
+                by_name[name].is_view or op_packet(by_name[name]) == "_to_copy") and by_name[name].input_meta:
             producer = by_name[name]
             name, meta = (producer.input_names or producer.inputs)[0], producer.input_meta[0]
         if not name.startswith("param:"):
@@ -227,7 +223,7 @@ def _weighted_modules(graph: OpGraph) -> tuple[dict[str, OpNode], dict[str, OpNo
         matrices = [p for p in node.params if len(shape[p]) == 2]
         if node.phase != "forward" or not matrices or not node.module_path:
             continue
-        packet = _packet(node)
+        packet = op_packet(node)
         table = embeddings if packet == "embedding" else linears if packet in ("mm", "addmm") else None
         if table is not None and node.module_path not in table:
             table[node.module_path] = node
