@@ -141,10 +141,6 @@ def _run(args: RunConfig, env: Environment) -> int:
     if plan.strategy.ep > 1 and args.checkpoint_dir is not None:  # expert slices have no resharding yet
         raise AutoparError(f"checkpoints of expert-parallel runs (ep={plan.strategy.ep}) are not implemented yet: drop "
                            f"--checkpoint-dir, or plan with ep=1")
-    if plan.strategy.cp > 1 and (args.checkpoint_dir is not None or args.resume not in ("auto", "none")):
-        # the runtime's checkpoints know no cp axis yet
-        raise AutoparError(f"checkpoints of context-parallel runs (cp={plan.strategy.cp}) are not implemented yet: "
-                           f"drop --checkpoint-dir and --resume, or plan with cp=1")
     if plan.provenance.world_size != env.world_size:  # before any process group: one line, no hang
         want, have = plan.provenance.world_size, env.world_size
         running = "this is one process" if have == 1 else f"{have} are running"

@@ -279,14 +279,44 @@ def test_a_hand_edited_cp_plan_is_checked_against_the_model(run_plan_file):
     assert "sequence parallelism" in plan_problem_for_model(sp, build_model("gpt", RUN_CONFIG).module)
 
 
-def test_run_refuses_checkpoints_under_cp_before_starting(tmp_path, capsys, run_plan_file):
+@pytest.mark.slow
+def test_checkpoints_cross_between_one_process_and_cp2_zero3_under_torchrun(tmp_path, monkeypatch):
+    """One process saves at step 2; a ulysses cp=2 ZeRO-3 run under torchrun resumes it and saves at
+    step 4; one process resumes that for step 5: every loss is the uninterrupted run's (rel 1e-5)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from autopar.cli import main
 
-    code = main(["run", *RUN_MODEL, "--plan", str(run_plan_file), "--steps", "1",
-                 "--checkpoint-dir", str(tmp_path / "ckpt")])
-    err = capsys.readouterr().err
-    assert code == 2 and "checkpoints of context-parallel runs (cp=2) are not implemented yet" in err
-    assert not (tmp_path / "ckpt").exists()
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    plan = make_plan("gpt", RUN_CONFIG, dict(dp=1, cp=2, cp_kind="ulysses", tp=1, pp=1, zero=3, microbatch=4), 2, 4)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    train = [a for a in RUN_TRAIN if a not in ("--cluster", "local")]
+
+    def losses(path):
+        return {record["step"]: record["loss"] for record in map(json.loads, path.read_text().splitlines())}
+
+    assert main(["run", *RUN_TRAIN, "--steps", "5", "--log-every", "1", "--checkpoint-dir", str(tmp_path / "one"),
+                 "--checkpoint-every", "2", "--metrics", str(tmp_path / "one.jsonl")]) == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "autopar",
+         "run", *train, "--plan", str(tmp_path / "plan.json"), "--steps", "4", "--log-every", "1",
+         "--resume", str(tmp_path / "one" / "step-00000002"), "--checkpoint-dir", str(tmp_path / "cp"),
+         "--checkpoint-every", "4", "--metrics", str(tmp_path / "cp.jsonl")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["run", *RUN_TRAIN, "--steps", "5", "--log-every", "1", "--resume", str(tmp_path / "cp" / "step-00000004"),
+                 "--checkpoint-dir", str(tmp_path / "again"), "--metrics", str(tmp_path / "again.jsonl")]) == 0
+    want, under_cp, after = (losses(tmp_path / f"{name}.jsonl") for name in ("one", "cp", "again"))
+    assert sorted(under_cp) == [3, 4] and sorted(after) == [5]
+    for step, loss in {**under_cp, **after}.items():
+        assert loss == pytest.approx(want[step], rel=1e-5), step
 
 
 @pytest.mark.slow
