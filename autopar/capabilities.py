@@ -15,7 +15,7 @@ from autopar.plan_schema import Strategy
 
 # Strategy knobs that say how other software implemented a run (`cost_models.implementation`):
 # the runtime executes each at its default only.
-IMPLEMENTATION_KNOBS = ("attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state")
+IMPLEMENTATION_KNOBS = ("attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "zero3_fetch")
 
 
 @dataclass(frozen=True)

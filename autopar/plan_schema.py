@@ -119,6 +119,9 @@ class Strategy(_Record):
     dp_overlap: bool = True  # data-parallel gradient reduction and ZeRO gathers overlapped with compute
     tp_overlap: bool = False  # tensor-parallel collectives overlapped with GEMMs (needs sp)
     optimizer_state: Literal["fp32", "bf16"] = "fp32"  # Adam moments' precision (master weights stay fp32)
+    # ZeRO-3's weight gathers: "unit", one per FSDP unit and use, prefetched (FSDP2, the runtime);
+    # "parameter", one synchronous all-gather per parameter tensor and use (DeepSpeed 0.3, 2021).
+    zero3_fetch: Literal["unit", "parameter"] = "unit"
     # Where the optimizer lives: "optimizer" keeps each rank's shard of the fp32 master weights, the
     # Adam moments and the reduced gradients in host memory and steps them on the CPU (FSDP2's
     # CPUOffloadPolicy, ZeRO-Offload's split); the device keeps the compute-precision weights and

@@ -6,7 +6,7 @@ here and printed with the results (`assumptions`).
 Row fields read: layers, hidden, heads, seq_len, global_batch, micro_batch, tp, pp, dp, vp,
 zero_stage, recompute, precision, n_gpus, gpu, measured_tflops_per_gpu, iteration_time_s,
 tokens_per_s_per_gpu, flops_accounting, params_b, notes, source; optional overrides: vocab,
-tied, attention, dropout, dp_overlap, tp_overlap, sp, family, inter_node (a LinkSpec's fields over
+tied, attention, dropout, dp_overlap, tp_overlap, zero3_fetch, sp, family, inter_node (a LinkSpec's fields over
 the preset's network), flops_formula ("megatron-lm-2024":
 Megatron-LM's logged count, `counted_flops`).
 
@@ -186,6 +186,8 @@ def _profile(row: dict[str, Any], notes: list[str]) -> dict[str, Any]:
         profile["dp_overlap"] = bool(row["dp_overlap"])
     else:
         profile["dp_overlap"] = _mentions(row, "overlap-grad-reduce") or not early
+    if row.get("zero3_fetch"):
+        profile["zero3_fetch"] = row["zero3_fetch"]
     tp_overlap = row.get("tp_overlap")
     profile["tp_overlap"] = bool(tp_overlap) if tp_overlap is not None else (
         _mentions(row, "tp-comm-overlap") and row["tp"] > 1)

@@ -17,6 +17,14 @@ what-if price. The knobs, with what the cost model does with each:
   (Transformer Engine's userbuffers, Megatron-Core's --tp-comm-overlap; needs sp).
 - `optimizer_state=bf16`: Adam moments in bf16 beside fp32 master weights (8 bytes per
   parameter instead of 12).
+- `zero3_fetch=parameter`: ZeRO-3 as DeepSpeed 0.3 (2021, the ZeRO-3 of Megatron-LM's SC'21 comparison)
+  ran it: each module's own parameters fetched before it runs with one all-gather per parameter
+  tensor, each call preceded by a device synchronize, and the module waiting for them
+  (deepspeed/runtime/zero/stage3.py `fetch_sub_module` and partition_parameters.py
+  `_allgather_param` at v0.3.14, April 2021). So every tensor pays its own collective's latency,
+  which grows with the ranks of a flat ring, none of it overlaps compute, and a recomputed
+  forward fetches again; the device holds a module's tensors at a time, not a layer's
+  (`cost_models.stage_costs`, `cost_models.memory`).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from autopar.errors import AutoparError
 from autopar.cost_models.facts import GemmShape, ModelFacts, OpFacts
 
 RUNTIME_PROFILE: dict[str, Any] = {"attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
-                                   "optimizer_state": "fp32"}
+                                   "optimizer_state": "fp32", "zero3_fetch": "unit"}
 PROFILE_KEYS = tuple(RUNTIME_PROFILE)
 _MASK_BYTES = 1  # a dropout mask: one bool per element
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

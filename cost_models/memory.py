@@ -114,7 +114,7 @@ def device_memory(
         gradients = 0.0 if zero >= 2 else gradients
         weights = 0.0 if zero >= 3 else weights
     per = state_bytes_per_param(precision, optimizer_state)
-    if zero >= 3:  # the gathered layer in use and the next one being prefetched
+    if zero >= 3:  # the gathered unit (or tensor, zero3_fetch=parameter) in use and the next one prefetched
         buffers = 2 * largest_unit_params * per.weight
     elif dp > 1:
         buffers = 2 * DDP_BUCKET_BYTES

@@ -8,6 +8,7 @@ each unit's costs once per distinct argument set.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -213,15 +214,20 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         params_on_device=unit.params_on_device(s.tp))
 
 
-def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], forward_s: float, backward_s: float
-                     ) -> tuple[float, float]:
+def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence[str], forward_s: float,
+                     backward_s: float) -> tuple[float, float]:
     """ZeRO-3's per-micro-batch weight gathers (and gradient scatters) left after overlapping them
     with the stage's compute: at least the first layer's gather is exposed; all of them without
-    `dp_overlap` (no prefetch)."""
+    `dp_overlap` (no prefetch), and with `zero3_fetch=parameter` (`parameter_fetch_s`)."""
     s = pricing.strategy
     if s.zero < 3 or replicas(s) == 1:
         return 0.0, 0.0
     per = state_bytes_per_param(pricing.facts.precision, s.optimizer_state)
+    if s.zero3_fetch == "parameter":
+        forward, backward = parameter_fetch_s(pricing, units, policies, per.weight)
+        scatter = collective_time_s("reduce_scatter", sum(u.params_on_device(s.tp) for u in units)
+                                    * GRADIENT_REDUCE_BYTES, pricing.dp_layout, pricing.cluster)
+        return forward, backward + (scatter if not s.dp_overlap else max(scatter - backward_s, 0.0))
     experts = sum(unit_expert_params(pricing.facts.experts, u.name) for u in units) if s.ep > 1 else 0.0
     stage_params = sum(u.params_on_device(s.tp) for u in units) - experts
     gather = collective_time_s("all_gather", stage_params * per.weight, pricing.dp_layout, pricing.cluster)
@@ -236,6 +242,30 @@ def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], forward_s: float, 
         return gather, gather + scatter
     first = gather / max(len(units), 1)
     return max(gather - forward_s, first), max(gather + scatter - backward_s, first)
+
+
+def parameter_fetch_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence[str], weight_bytes: int
+                      ) -> tuple[float, float]:
+    """`zero3_fetch=parameter`: one all-gather per parameter tensor and use, none overlapped
+    (`cost_models.implementation`): (forward, backward), a fully recomputed unit fetching again for
+    its recompute."""
+    s, forward, backward = pricing.strategy, 0.0, 0.0
+    for unit, policy in zip(units, policies):
+        fetch = sum(collective_time_s("all_gather", math.prod(shape) / (s.tp if tp_dim is not None else 1)
+                                      * weight_bytes, pricing.dp_layout, pricing.cluster)
+                    for shape, tp_dim in unit.param_shapes)
+        forward += fetch
+        backward += fetch * (2 if policy == "full" else 1)
+    return forward, backward
+
+
+def largest_fetch(unit: Unit, strategy: Strategy) -> float:
+    """Parameters ZeRO-3 holds gathered at a time from `unit`: the unit (FSDP2), or with
+    `zero3_fetch=parameter` its largest tensor (a module's own, in practice one weight)."""
+    if strategy.zero3_fetch == "parameter":
+        return max((math.prod(shape) / (strategy.tp if tp_dim is not None else 1) for shape, tp_dim in
+                    unit.param_shapes), default=0.0)
+    return unit.params_on_device(strategy.tp)
 
 
 def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> StagePrices:
@@ -263,12 +293,12 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
             held = part.params_on_device - experts * (1 - 1 / s.ep)  # experts sharded over ep
             rank_params[rank] += held
             rank_experts[rank] += experts / s.ep
-            rank_largest[rank] = max(rank_largest[rank], held)
+            rank_largest[rank] = max(rank_largest[rank], held if s.zero3_fetch == "unit" else largest_fetch(unit, s))
         if pricing.vocab and s.tp > 1 and index == len(stages_units) - 1:
             forward_comm += sum(times * pricing.tp_time_s(kind, size) for kind, size, times in
                                 vocab_parallel_head_collectives(s, pricing.facts.precision, pricing.facts.seq_len,
                                                                 pricing.vocab))
-        zero3_forward, zero3_backward = _zero3_exposed_s(pricing, units, forward, backward)
+        zero3_forward, zero3_backward = _zero3_exposed_s(pricing, units, policies, forward, backward)
         stage_costs.append(StageCost(
             index, rank, tuple(u.name for u in units), forward + forward_comm + zero3_forward + ep_forward + cp_forward,
             backward + backward_comm + recompute_extra + zero3_backward + ep_backward + cp_backward,

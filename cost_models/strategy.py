@@ -9,17 +9,17 @@ from autopar.errors import AutoparError
 from autopar.plan_schema import Strategy
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "schedule", "vp",
-                 "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "offload", "ep", "cp",
-                 "cp_kind")
+                 "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "zero3_fetch", "offload", "ep",
+                 "cp", "cp_kind")
 _SWITCHES = ("sp", "dp_overlap", "tp_overlap")
 _CHOICES = {"recompute": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved"),
-            "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16"),
+            "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16"), "zero3_fetch": ("unit", "parameter"),
             "offload": ("none", "optimizer"), "cp_kind": ("ring", "ulysses")}
 
 
 def parse_strategy(text: str | None) -> dict[str, Any]:
     """`"tp=8,pp=12,recompute=full"` → the fixed keys; keys left out are for the planner to choose.
-    The implementation keys (attention, dropout, dp_overlap, tp_overlap, optimizer_state;
+    The implementation keys (attention, dropout, dp_overlap, tp_overlap, optimizer_state, zero3_fetch;
     `cost_models.implementation`) price a run of other software as it ran; left out, they are
     autopar's runtime."""
     fixed: dict[str, Any] = {}

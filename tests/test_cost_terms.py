@@ -1,6 +1,6 @@
 """Issue #18's cost terms on small closed-form cases: collective latency that grows with ranks and
 nodes, GEMM efficiency monotone in size, the per-layer fixed overhead, the implementation profile
-(`--strategy attention/dropout/dp_overlap/tp_overlap/optimizer_state`), the planner's memory
+(`--strategy attention/dropout/dp_overlap/tp_overlap/optimizer_state/zero3_fetch`), the planner's memory
 headroom, and the published-run accountings the validation benchmark divides by."""
 
 import json
@@ -177,6 +177,41 @@ def test_overlap_knobs_move_communication_as_stated(plain):
     assert tp_hidden.step_time_s < overlapped.step_time_s
     exposed = overlapped.breakdown["exposed_communication"] - tp_hidden.breakdown["exposed_communication"]
     assert 0 < exposed < overlapped.breakdown["exposed_communication"]  # at least one chunk stays exposed
+
+
+def test_zero3_fetch_per_parameter_pays_each_tensors_gather_and_holds_one_tensor(plain):
+    """`zero3_fetch=parameter` (DeepSpeed 0.3): one unoverlapped all-gather per parameter tensor and
+    use, twice in a fully recomputed unit's backward; its latency grows with the dp ranks; the
+    device holds the largest tensor gathered, not a unit."""
+    from autopar.cost_models.stage_costs import CostCache, Pricing, largest_fetch, parameter_fetch_s
+
+    def fetch_s(gpus: int, policy: str) -> tuple[float, float]:
+        cluster = load_cluster("dgx-a100-80gb", gpus=gpus)
+        s = Strategy(dp=gpus, tp=1, pp=1, microbatch=1, num_microbatches=1, zero=3, zero3_fetch="parameter")
+        layout = group_layout(gpus, 1, 8)
+        pricing = Pricing(facts=plain, cluster=cluster, strategy=s, efficiency=Efficiency(), cache=CostCache(),
+                          tp_layout=group_layout(1, 1, 8), dp_layout=layout)
+        got = parameter_fetch_s(pricing, plain.units, [policy] * len(plain.units), 2)
+        want = sum(collective_time_s("all_gather", math.prod(shape) * 2, layout, cluster)
+                   for unit in plain.units for shape, _ in unit.param_shapes)
+        assert got == pytest.approx((want, want * (2 if policy == "full" else 1)))
+        return got
+
+    assert fetch_s(64, "full")[1] == pytest.approx(2 * fetch_s(64, "none")[1])
+    assert fetch_s(16, "none")[0] < fetch_s(64, "none")[0] < fetch_s(256, "none")[0]  # latency grows with ranks
+    layer = next(u for u in plain.units if u.layer_type)
+    s = Strategy(dp=8, tp=1, pp=1, microbatch=1, num_microbatches=1, zero=3)
+    assert largest_fetch(layer, s) == layer.params_on_device(1)
+    per_tensor = largest_fetch(layer, s.model_copy(update={"zero3_fetch": "parameter"}))
+    assert per_tensor == max(math.prod(shape) for shape, _ in layer.param_shapes) < layer.params_on_device(1)
+    cluster = load_cluster("dgx-a100-80gb", gpus=64)
+    s = Strategy(dp=64, tp=1, pp=1, microbatch=1, num_microbatches=1, zero=3, dp_overlap=False)
+    fsdp = evaluate(plain, cluster, s, 64)
+    deepspeed = evaluate(plain, cluster, s.model_copy(update={"zero3_fetch": "parameter"}), 64)
+    assert deepspeed.step_time_s > fsdp.step_time_s and deepspeed.memory[0].buffers < fsdp.memory[0].buffers
+    other_software = deepspeed.strategy.model_copy(update={"dp_overlap": True})
+    assert "zero3_fetch=parameter" in RUNTIME_CAPABILITIES.supports(other_software)
+    assert parse_strategy("zero3_fetch=parameter") == {"zero3_fetch": "parameter"}
 
 
 def test_bf16_optimizer_state_holds_eight_bytes_per_parameter(plain):
