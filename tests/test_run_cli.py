@@ -253,6 +253,7 @@ def _search_on_two_ranks(rank: int, port: int, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps({"plan": plan.to_json(), "refusal": refusal}))
 
 
+@pytest.mark.slow  # 17 s; the default set's torchrun dp=2 run goes through the same search and broadcast
 def test_under_torchrun_rank_0_alone_searches_and_every_rank_gets_its_plan_or_refusal(tmp_path, one_thread):
     import torch.multiprocessing as mp
 
