@@ -51,7 +51,7 @@ def check_fixed_strategy(strategy: dict[str, Any], world_size: int) -> None:
 
 
 def model_hints(module: nn.Module) -> dict[str, int | None]:
-    """Attention heads, key/value heads and vocabulary of a zoo or Hugging Face model, read off its
+    """Attention heads, key/value heads and vocabulary (the head's width: padded, for the zoo) of a zoo or Hugging Face model, read off its
     config (None where it has none): the tp degrees the searcher may offer must divide the heads."""
     config = getattr(module, "config", None)
 
@@ -64,7 +64,7 @@ def model_hints(module: nn.Module) -> dict[str, int | None]:
 
     heads = first("heads", "num_attention_heads", "n_head", "num_heads")
     return {"heads": heads, "kv_heads": first("num_kv_heads", "num_key_value_heads") or heads,
-            "vocab": first("vocab", "vocab_size")}
+            "vocab": first("padded_vocab", "vocab", "vocab_size")}
 
 
 @dataclass

@@ -47,7 +47,7 @@ def _plan(overrides: dict, realization: str):
     spec = build_model("gpt", overrides)
     config = spec.config
     graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, name="gpt", seq_len=config.seq_len)
-    facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab)
+    facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.padded_vocab)
     cluster = load_cluster("dgx-h100", gpus=2)
     fixed = dict(dp=1, tp=2, pp=1, sp=False, zero=0, recompute="none", microbatch=GLOBAL_BATCH)
     result = search(graph, facts, cluster, GLOBAL_BATCH, fixed=fixed, use_ilp=False,

@@ -23,7 +23,7 @@ def traced_zoo(family: str, config: str, batch: int = 2, precision: str = "bf16"
     graph = autopar.trace(spec.module, spec.example_inputs(batch), loss_fn=spec.loss_fn, precision=precision,
                           name=name)
     c = spec.config
-    return spec, graph, model_facts(graph, heads=c.heads, kv_heads=c.num_kv_heads, vocab=c.vocab)
+    return spec, graph, model_facts(graph, heads=c.heads, kv_heads=c.num_kv_heads, vocab=c.padded_vocab)
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_ba
     spec = build_model(model, overrides)
     config = spec.config
     return plan_for(spec.module, spec.example_inputs(1), spec.loss_fn, name=model, seq_len=config.seq_len,
-                    heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab, strategy=strategy,
+                    heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.padded_vocab, strategy=strategy,
                     world=world, global_batch=global_batch, use_ilp=use_ilp)
 
 

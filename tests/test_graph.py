@@ -24,7 +24,7 @@ def analytic_forward_flops(spec, graph):
     """
     config = spec.config
     tokens = graph.batch * graph.seq_len
-    matmul_params = graph.num_params - (0 if config.tied else config.vocab * config.hidden)
+    matmul_params = graph.num_params - (0 if config.tied else config.padded_vocab * config.hidden)
     return 2 * matmul_params * tokens + 4 * graph.batch * graph.seq_len**2 * config.hidden * config.layers
 
 

@@ -38,7 +38,7 @@ def built(label: str):
         config = spec.config
         graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16", name=label,
                       seq_len=config.seq_len)
-        facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.vocab)
+        facts = model_facts(graph, heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.padded_vocab)
         _built[label] = graph, facts, spec.module
     return _built[label]
 

@@ -59,7 +59,8 @@ def test_overrides_are_typed_and_checked():
 def test_real_forward_and_training_step_on_cpu(family):
     spec = build_model(family, "layers=2,hidden=64,heads=4,kv_heads=2,vocab=97,seq_len=32", device="cpu", seed=0)
     (ids,) = spec.example_inputs(2, 16, device="cpu")
-    optimizer = torch.optim.AdamW(spec.module.parameters(), lr=1e-2)
+    # lr 3e-3: at 1e-2 both the padded and the unpadded Llama spike at step 5 (4.52-4.67 from 3.1-3.4)
+    optimizer = torch.optim.AdamW(spec.module.parameters(), lr=3e-3)
     losses = []
     for _ in range(5):
         loss = lm_loss(spec.module(ids), ids)
@@ -67,7 +68,7 @@ def test_real_forward_and_training_step_on_cpu(family):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    assert spec.module(ids).shape == (2, 16, 97)
+    assert spec.module(ids).shape == (2, 16, 128)  # the vocabulary padded to a multiple of 128
     assert losses[-1] < losses[0]  # memorizing one batch must make progress
 
 

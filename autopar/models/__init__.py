@@ -54,9 +54,10 @@ FAMILIES: dict[str, type[nn.Module]] = {"gpt": GPT, "llama": Llama}
 
 
 def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy: position t predicts token t+1."""
+    """Next-token cross entropy: position t predicts token t+1 (fp32 before the reshape: one copy of the
+    shifted logits, not two)."""
     vocab = logits.shape[-1]
-    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), input_ids[:, 1:].reshape(-1))
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), input_ids[:, 1:].reshape(-1))
 
 
 @dataclass

@@ -21,6 +21,11 @@ class TransformerConfig(BaseModel):
     kv_heads: int | None = None  # None: as many as heads (multi-head attention)
     ffn_hidden: int | None = None  # None: 4*hidden (gpt) or the Llama rounding rule
     vocab: int = 50257
+    # Embedding and head rows are padded to a multiple of this (Megatron-LM's
+    # --make-vocab-size-divisible-by, default 128): a GEMM of width 50,257 runs a fallback kernel on an
+    # H100 (37.5 ms of a 423 ms GPT-1.3B step, ../shared/gpu/h100-2026-11-26.json), one of 50,304 does
+    # not. The padded logits are masked to -inf, so the loss and every real gradient are unchanged.
+    vocab_multiple: int = 128
     seq_len: int = 1024
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -37,7 +42,7 @@ class TransformerConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "TransformerConfig":
         for name in ("layers", "hidden", "heads", "vocab", "seq_len", "kv_heads", "ffn_hidden", "norm_eps",
-                     "rope_theta", "init_std", "moe_experts"):
+                     "rope_theta", "init_std", "moe_experts", "vocab_multiple"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.dropout < 1:
@@ -57,6 +62,11 @@ class TransformerConfig(BaseModel):
     @property
     def num_kv_heads(self) -> int:
         return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and the head: the vocabulary rounded up to `vocab_multiple`."""
+        return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def head_dim(self) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 
 from autopar.models.config import TransformerConfig
 from autopar.models.moe import MoE
+from autopar.models.vocab import mask_padded_logits
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,13 +96,13 @@ class GPT(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab, config.hidden)
+        self.embed = nn.Embedding(config.padded_vocab, config.hidden)
         self.pos_embed = nn.Embedding(config.seq_len, config.hidden)
         self.embed_dropout = residual_dropout(config)
         # A dict keyed by index, so a pipeline stage that drops some layers keeps the others' names.
         self.layers = nn.ModuleDict({str(i): GPTBlock(config) for i in range(config.layers)})
         self.final_norm = nn.LayerNorm(config.hidden, eps=config.norm_eps)
-        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+        self.head = nn.Linear(config.hidden, config.padded_vocab, bias=False)
         if config.tied:
             self.head.weight = self.embed.weight
         # Global positions of the tokens the next forward sees; None: 0..seq-1. Context parallelism
@@ -118,7 +119,7 @@ class GPT(nn.Module):
             x = layer(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.head(x) if self.head is not None else x
+        return mask_padded_logits(self.head(x), self.config.vocab) if self.head is not None else x
 
     def init_module_(self, path: str, module: nn.Module) -> None:
         """Initialize one module's own tensors: the runtime's per-module, sharding-independent init."""

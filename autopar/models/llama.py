@@ -8,6 +8,7 @@ from torch import nn
 
 from autopar.models.config import TransformerConfig
 from autopar.models.moe import MoE
+from autopar.models.vocab import mask_padded_logits
 from autopar.models.gpt import CausalSelfAttention, init_module_weights, init_transformer_weights
 
 
@@ -53,10 +54,10 @@ class Llama(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab, config.hidden)
+        self.embed = nn.Embedding(config.padded_vocab, config.hidden)
         self.layers = nn.ModuleDict({str(i): LlamaBlock(config) for i in range(config.layers)})
         self.final_norm = RMSNorm(config.hidden, config.norm_eps)
-        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+        self.head = nn.Linear(config.hidden, config.padded_vocab, bias=False)
         if config.tied:
             self.head.weight = self.embed.weight
         cos, sin = rope_tables(config)
@@ -77,7 +78,7 @@ class Llama(nn.Module):
             x = layer(x, rope)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.head(x) if self.head is not None else x
+        return mask_padded_logits(self.head(x), self.config.vocab) if self.head is not None else x
 
     def init_module_(self, path: str, module: nn.Module) -> None:
         """Initialize one module's own tensors (the rope tables for the root): see GPT.init_module_."""
