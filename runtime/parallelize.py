@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan_schema import Plan
-from autopar.runtime.compile import compile_blocks
+from autopar.runtime.compile import compile_blocks, compile_forward_loss, whole_stage_problem
 from autopar.runtime.context_parallel import ContextParallel, apply_context_parallel, context_parallel_problem
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter_device, set_microbatch_boundary
 from autopar.runtime.dtensor_tp import step_context as dtensor_step_context
@@ -36,6 +36,7 @@ from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel
                                              expert_parallel_problem, gather_experts, shard_expert_states)
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
+from autopar.runtime.optimizer import build_optimizer
 from autopar.runtime.pipeline import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
                                      tied_gradient_groups)
 from autopar.runtime.precision import autocast, fsdp_policy
@@ -62,6 +63,8 @@ class ParallelModel:
     expert_params: frozenset[str] = frozenset()  # names of this rank's expert slices (ep > 1)
     expert_buckets: GradientBuckets | None = None  # ep < dp: expert gradients summed over their replicas
     context: ContextParallel | None = None  # cp > 1: this rank's sequence shards and their loss
+    forward_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # the stage and its loss compiled as one
+    optimizations: dict[str, str] = field(default_factory=dict)  # what the runtime applied, for the user
 
     @property
     def strategy(self):
@@ -79,6 +82,13 @@ class ParallelModel:
         for module in self.modules:
             named.update(dict(module.named_parameters()))
         return named
+
+    def build_optimizer(self, lr: float, **options) -> torch.optim.AdamW:
+        """AdamW over this rank's parameters, fused where they allow it (runtime/optimizer.py)."""
+        optimizer = build_optimizer(self.parameters(), lr, self.strategy.offload, **options)
+        where = "on the host" if self.strategy.offload == "optimizer" else "on " + self.layout.device.type
+        self.optimizations["optimizer"] = f"AdamW {'fused' if optimizer.defaults['fused'] else 'foreach'} {where}"
+        return optimizer
 
     def is_first_stage(self) -> bool:
         return 0 in self.layout.stage_indices
@@ -120,6 +130,8 @@ class ParallelModel:
                     if self.context is not None:  # this rank's positions of each sequence, their next tokens
                         tokens, targets = self.context.shard(module, x)
                         loss = self.context.loss(module(tokens), targets, x.shape[1])
+                    elif self.forward_loss is not None:
+                        loss = self.forward_loss(x)
                     else:
                         loss = self.loss_fn(module(x), x)
                 (loss / s.num_microbatches).backward()
@@ -149,9 +161,11 @@ class ParallelModel:
                 dist.all_reduce(_local_value(grad), group=group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over every shard and stage (one scalar all-reduce), then clip."""
-        squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        """Global gradient norm over every shard and stage (one scalar all-reduce), then clip. Norms and
+        scaling run as foreach kernels over the gradients that count alike (a few launches, not four
+        per parameter: a launch-bound step pays for each)."""
         tied = {name: len(ranks) for name, _, ranks in self.tied_groups}
+        groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
         for name, param in self.named_parameters().items():
             if param.grad is None:
                 continue
@@ -168,15 +182,17 @@ class ParallelModel:
                 if name in self.expert_params:  # replicated over the dp/ep groups only
                     copies //= self.expert_groups.ep
             copies *= tied.get(name, 1)
-            squares += local.float().pow(2).sum().to(squares.device) / copies  # on the host under offload
+            groups.setdefault((copies, local.device, local.dtype), []).append(local)
+        squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        for (copies, _, _), locals_ in groups.items():  # on the host under offload
+            norms = torch._foreach_norm(locals_, 2.0)
+            squares += torch.stack(norms).float().pow(2).sum().to(squares.device) / copies
         dist.all_reduce(squares)
         norm = squares.sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for param in self.parameters():
-                if param.grad is not None:
-                    local = _local_value(param.grad)
-                    local.mul_(scale.to(local.device))
+            for (_, device, _), locals_ in groups.items():
+                torch._foreach_mul_(locals_, scale.to(device))
         return norm
 
     def _stage_size(self) -> int:
@@ -347,7 +363,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
             apply_fsdp(module, layout.gradient_mesh(), s.zero, blocks, fsdp_policy(precision), s.offload)
         # 8. materialize this rank's shards (and experts) with the sharding-independent init
         materialize(module, source, layout.device, parameter_device(layout.device, s.offload), expert_rows)
-        if compile:  # 8b. compile each block's forward, inside every wrapper above (runtime/compile.py)
+        if compile and whole_stage_problem(s) is not None:  # 8b. compile each block, inside every wrapper above
             compile_blocks(module, blocks)
         modules.append(module)
 
@@ -361,6 +377,9 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     parallel.canonical = dict(source.alias)
     parallel.expert_groups, parallel.expert_params = groups, frozenset(expert_names)
     parallel.context = context
+    if compile and whole_stage_problem(s) is None:  # 8b. the whole stage and its loss as one graph
+        parallel.forward_loss = compile_forward_loss(modules[0], loss_fn)
+    parallel.optimizations = applied_optimizations(model, s, compile)
     replicas = layout.gradient_mesh().size()  # dp, or dp x cp: the ranks holding the same weights
     buckets = s.zero == 0 and replicas > 1
     if cut is not None:  # 9. the pipeline schedule over this rank's stages
@@ -380,6 +399,18 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
                 accumulations=s.num_microbatches,
                 divide_by=layout.size("dp") * (s.num_microbatches if s.pp > 1 else 1))
     return parallel
+
+
+def applied_optimizations(model: nn.Module, strategy, compile: bool) -> dict[str, str]:
+    """What the runtime does beyond the plan's layout, each in a few words (`autopar run` prints it)."""
+    config = getattr(model, "config", None)
+    vocab, padded = getattr(config, "vocab", None), getattr(config, "padded_vocab", None)
+    done = {"vocab padding": f"{vocab:,} -> {padded:,} rows (padded logits masked)" if padded and padded != vocab
+            else "none needed" if padded else "not applied (not a zoo model)"}
+    problem = whole_stage_problem(strategy)
+    done["compile"] = ("off" if not compile else "whole stage with its loss" if problem is None
+                       else f"per block ({problem})")
+    return done
 
 
 def _sequence_length(plan: Plan) -> int | None:

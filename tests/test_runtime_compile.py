@@ -1,4 +1,5 @@
-"""Per-block torch.compile (`parallelize(..., compile=True)`, `autopar run --compile`) trains like eager.
+"""torch.compile (`parallelize(..., compile=True)`, `autopar run --compile`) trains like eager: the
+whole stage with its loss where the plan allows it (one process, dp at ZeRO 0), each block elsewhere.
 
 Tolerances: measured on CPU (torch 2.13, inductor, fp32), compiled losses differ from the eager
 single-process reference by at most 2.1e-7 relative and final weights by at most 1.5e-8 absolute
@@ -17,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
+
+from autopar.runtime.compile import whole_stage_problem
 
 from parity_harness import MAX_GRAD_NORM, SEED, _free_port, batches, make_optimizer, make_plan, reference_run, \
     run_plans, tiny_config
@@ -44,25 +47,28 @@ def _compiled_job(job: dict) -> dict:
     compiled = sorted(path for module in parallel.modules for path, sub in module.named_modules()
                       if getattr(sub.forward, "_autopar_compiled", False))
     result = {"losses": losses, "compiled": compiled, "names": sorted(parallel.named_parameters()),
-              "graphs": counters["stats"]["unique_graphs"] - graphs_before}
+              "graphs": counters["stats"]["unique_graphs"] - graphs_before,
+              "whole": parallel.forward_loss is not None, "compile_text": parallel.optimizations["compile"]}
     state = parallel.full_state_dict()
     if parallel.layout.dp_rank == 0 and parallel.layout.tp_rank == 0:
         result["state"] = state
     return result
 
 
-def _check(label: str, ranks: list[dict], reference_losses: list[float], reference_state: dict, layers: int) -> None:
+def _check(label: str, ranks: list[dict], reference_losses: list[float], reference_state: dict, layers: int,
+           whole: bool) -> None:
     state, compiled = {}, set()
     for rank, result in enumerate(ranks):
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference_losses), rtol=LOSS_RTOL,
                                    atol=0, msg=lambda m: f"{label} rank {rank} losses: {m}")
-        # each block this rank holds is compiled, nothing else
+        assert result["whole"] == whole, (label, result["compile_text"])
+        # per block: each block this rank holds is compiled, nothing else; whole stage: no block apart
         held = sorted({".".join(name.split(".")[:2]) for name in result["names"] if name.startswith("layers.")})
-        assert result["compiled"] == held, (label, rank, result["compiled"], held)
+        assert result["compiled"] == ([] if whole else held), (label, rank, result["compiled"], held)
         assert result["graphs"] >= 1, label  # the compiled code really ran (0: dynamo fell back or skipped)
         compiled.update(result["compiled"])
         state.update(result.get("state", {}))
-    assert compiled == {f"layers.{i}" for i in range(layers)}, (label, compiled)
+    assert compiled == (set() if whole else {f"layers.{i}" for i in range(layers)}), (label, compiled)
     assert set(state) == set(reference_state), label  # names as uncompiled: plans and checkpoints still apply
     for name, value in state.items():
         torch.testing.assert_close(value, reference_state[name], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL,
@@ -81,7 +87,8 @@ def _run(strategies: list[dict], world: int) -> None:
     reference_losses, reference_state = reference_run("gpt", overrides, data)
     for strategy, ranks in zip(strategies, results):
         label = ",".join(f"{k}={v}" for k, v in strategy.items())
-        _check(label, ranks, reference_losses, reference_state, overrides["layers"])
+        whole = whole_stage_problem(plans[0].strategy.model_copy(update=strategy)) is None
+        _check(label, ranks, reference_losses, reference_state, overrides["layers"], whole)
 
 
 def _in_process(job: dict) -> dict:
@@ -101,8 +108,8 @@ def _clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_one_process_compiled_blocks_train_like_eager(_clean_env):
-    _run([dict(dp=1, tp=1, pp=1, microbatch=8)], world=1)
+def test_one_process_compiles_the_whole_stage_with_its_loss_and_trains_like_eager(_clean_env):
+    _run([dict(dp=1, tp=1, pp=1, microbatch=8), dict(dp=1, tp=1, pp=1, microbatch=4, recompute="full")], world=1)
 
 
 @pytest.mark.slow
