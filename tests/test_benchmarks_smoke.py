@@ -1,5 +1,6 @@
 """GPU benchmark scripts must at least run: their CPU paths on a tiny model (no figures checked)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,20 @@ def test_zoo_coverage_runs_one_cell(tmp_path):
     assert "summary: 1 models; dp: 1 ok; crashes 0" in result.stdout
     (row,) = json.loads(out.read_text())["rows"]
     assert row["model"] == "plain-cnn" and row["cells"]["dp"] == {"status": "ok", "reason": ""}
+
+
+def test_gpu_suite_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_suite.py's CPU smoke run: every phase writes its rows and the goals get verdicts
+    (the figures mean nothing on a CPU; the GPU run is the device check)."""
+    out = tmp_path / "suite.json"
+    result = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--device", "cpu", "--smoke", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert [row["case"] for row in record["plans"]] == ["smoke-mb4", "smoke-searched"]
+    assert all(row["status"] == "ok" and row["predicted"]["step_time_s"] > 0 for row in record["plans"])
+    assert record["plans"][0]["optimizations"]["vocab padding"] == "257 -> 384 rows (padded logits masked)"
+    assert [row["variant"] for row in record["baselines"]] == ["plain eager", "reference eager"]
+    assert record["op_profile"]["status"] == "ok" and (tmp_path / "gpu_suite_profile.db").exists()
+    assert {row["goal"] for row in record["verdicts"]} >= {"no out-of-memory on a plan the searcher accepts"}
+    assert "device cpu, torch" in result.stdout and "no out-of-memory on a plan the searcher accepts" in result.stdout
