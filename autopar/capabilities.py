@@ -15,7 +15,8 @@ from autopar.plan_schema import Strategy
 
 # Strategy knobs that say how other software implemented a run (`cost_models.implementation`):
 # the runtime executes each at its default only.
-IMPLEMENTATION_KNOBS = ("attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "zero3_fetch")
+IMPLEMENTATION_KNOBS = ("attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "zero3_fetch",
+                        "optimizer_impl")
 
 
 @dataclass(frozen=True)
@@ -225,3 +226,13 @@ def context_parallel_strategy_problem(strategy: Strategy) -> str | None:
 
 
 RUNTIME_CAPABILITIES = Capabilities()
+
+
+def whole_stage_problem(strategy: Strategy) -> str | None:
+    """Why this plan's stage cannot compile as one graph with its loss (None: it can): the runtime
+    then compiles each block (`runtime.compile`), and the cost model fuses only the blocks' kernels."""
+    reasons = [text for text, applies in (
+        ("pipeline stages", strategy.pp > 1), ("tensor parallel DTensors", strategy.tp > 1),
+        ("context parallel attention", strategy.cp > 1), ("expert all-to-alls", strategy.ep > 1),
+        ("FSDP2 units (zero >= 1)", strategy.zero >= 1)) if applies]
+    return ", ".join(reasons) or None

@@ -122,6 +122,14 @@ class Strategy(_Record):
     # ZeRO-3's weight gathers: "unit", one per FSDP unit and use, prefetched (FSDP2, the runtime);
     # "parameter", one synchronous all-gather per parameter tensor and use (DeepSpeed 0.3, 2021).
     zero3_fetch: Literal["unit", "parameter"] = "unit"
+    # The optimizer step's kernels: "fused", torch's fused AdamW (the runtime's, on CUDA), or "foreach",
+    # torch's default (its multi-tensor passes; `cost_models.optimizer`). Added with schema version
+    # 1's plans loading as "fused".
+    optimizer_impl: Literal["fused", "foreach"] = "fused"
+    # torch.compile: the whole stage with its loss where `capabilities.whole_stage_problem` allows,
+    # else each block (`runtime.compile`); priced as fused elementwise kernels (`cost_models.compute`).
+    # A runtime choice, not another software's profile: `autopar run --compile` fixes it.
+    compile: bool = False
     # Where the optimizer lives: "optimizer" keeps each rank's shard of the fp32 master weights, the
     # Adam moments and the reduced gradients in host memory and steps them on the CPU (FSDP2's
     # CPUOffloadPolicy, ZeRO-Offload's split); the device keeps the compute-precision weights and

@@ -23,6 +23,13 @@ The efficiencies are the fraction of datasheet peak that real kernels reach. Def
   real kernels) is per counted FLOP already.
 - η_memory = 0.85 and 4 µs per kernel launch: nominal until the profiler (issue #3) measures the
   HBM ceiling and launch cost on the target GPU; a profile database replaces all of these.
+- Misaligned GEMMs: a 16-bit GEMM with a dimension that is not a multiple of 8 elements (16 bytes)
+  leaves cuBLAS's tensor-core kernels for a fallback (NVIDIA, "Matrix Multiplication Background
+  User's Guide", Tensor Core requirements; on the H100 a width-50,257 head ran
+  `cutlass_75_tensorop_bf16_s1688gemm`): its efficiency is `MISALIGNED_GEMM_FACTOR` of the aligned one.
+- Compiled kernels (`Efficiency.compiled`, a stage or block under torch.compile): inductor fuses
+  the elementwise and normalization ops between GEMMs, so the vector ops move
+  `1 - COMPILE_FUSED_FRACTION` of their eager bytes. Both constants are fitted below.
 - `layer_overhead_s`: a fixed time per layer and pass (0 unless given: the published runs do not
   support one that carries across GPUs, see `FITTED_EFFICIENCY`).
 """
@@ -41,6 +48,16 @@ CAUSAL_WORK_FRACTION = 0.5
 # middle figure taken per counted FLOP (a cautious reading).
 FALLBACK_MATMUL = 0.80
 FALLBACK_ATTENTION = 0.60
+# Fitted on plain PyTorch steps of GPT-1.3B on the lent H100 (../shared/gpu/h100-2026-11-26.json,
+# step anatomy, the dev split): vocabulary 50,257 against 50,304 cost 70.4 ms (foreach AdamW) and
+# 65.1 ms (fused) more per step; with the head's three GEMMs priced at this fraction of the aligned
+# efficiency the model gives the mean, 67.8 ms (benchmarks/gpu_rows.py --fit). Tested on autopar's
+# own runs there (unpadded, a7ddb44), which the fit did not see.
+MISALIGNED_GEMM_FACTOR = 0.19
+# Fitted likewise: `torch.compile(model.forward)` of the padded GPT-1.3B, fused AdamW, saved 39.0 ms
+# (331.7 -> 292.7 ms) of the 53.0 ms its vector ops are priced at eager. Tested on autopar's own
+# whole-stage compile (benchmarks/gpu_runs/, 2fef514) and per-block compile (a7ddb44), not seen by the fit.
+COMPILE_FUSED_FRACTION = 0.74
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,8 @@ class Efficiency:
     # Fixed host-side time per layer and pass (forward, backward, recompute) and micro-batch: the
     # framework's per-module work and the gaps between its kernels that launches alone miss.
     layer_overhead_s: float = 0.0
+    # The ops run as torch.compile's fused kernels (set per unit by `stage_costs.Pricing.timed`).
+    compiled: bool = False
 
     def matmul_for(self, gpu: GpuSpec) -> float:
         if self.matmul is not None:
@@ -111,13 +130,19 @@ def op_time_s(op: OpFacts, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp:
     moved = (op.activation_bytes * batch + op.weight_bytes) / divide
     memory_time = moved / (gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
     if op.kind == "vector":
+        if efficiency.compiled:
+            memory_time *= 1 - COMPILE_FUSED_FRACTION
         return memory_time + efficiency.launch_overhead_s
     if op.kind == "attention":
         compute_time = flops / (gpu.peak_flops_per_s(dtype) * efficiency.attention_for(gpu))
     else:
         ceiling = efficiency.matmul_for(gpu)
-        class_efficiency = ceiling if op.gemm is None else gemm_efficiency(
-            op.gemm.at(batch, tp if op.tp_sharded else 1), ceiling, efficiency.gemm_half_dim_for(gpu, dtype))
+        class_efficiency = ceiling
+        if op.gemm is not None:
+            dims = op.gemm.at(batch, tp if op.tp_sharded else 1)
+            class_efficiency = gemm_efficiency(dims, ceiling, efficiency.gemm_half_dim_for(gpu, dtype))
+            if dtype in ("bf16", "fp16") and any(d % 8 for d in dims[1:]):
+                class_efficiency *= MISALIGNED_GEMM_FACTOR
         compute_time = flops / (gpu.peak_flops_per_s(dtype) * class_efficiency)
     return max(compute_time, memory_time) + efficiency.launch_overhead_s
 

@@ -37,17 +37,13 @@ from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
 from autopar.cost_models.recompute import fewest_recomputed_layers, one_more_layer
 from autopar.cost_models.stage_costs import (CostCache, Pricing, StageCost, StagePrices, price_stages,
                                              unit_activation_bytes)
+from autopar.cost_models.optimizer import step_bytes_per_param
 from autopar.cost_models.strategy import even_stage_layers
 
-# Adam step traffic per parameter: read fp32 master, two moments and the gradient, write master,
-# moments and the low-precision weight copy (about 28 bytes either way).
-OPTIMIZER_BYTES_PER_PARAM = 28
-
-
-def optimizer_step_bytes(optimizer_state: str) -> float:
-    """HBM traffic of one Adam step per parameter: 28 bytes with fp32 moments, 8 fewer in bf16
-    (each moment read and written at 2 bytes instead of 4)."""
-    return OPTIMIZER_BYTES_PER_PARAM - (8 if optimizer_state == "bf16" else 0)
+def optimizer_step_bytes(optimizer_state: str, implementation: str = "fused") -> float:
+    """HBM traffic of one Adam step and the gradient clipping before it, per parameter
+    (`cost_models.optimizer`: counted in torch's kernels)."""
+    return step_bytes_per_param(implementation, optimizer_state)
 
 
 @dataclass(frozen=True)
@@ -225,7 +221,7 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
                                    units=units, optimizer_state=s.optimizer_state)
             tails.append(RankTail(exposed, offload.cpu_step_s, offload))
             continue
-        step = updated * optimizer_step_bytes(s.optimizer_state) / (cluster.gpu.hbm_bandwidth_bytes_per_s
+        step = updated * optimizer_step_bytes(s.optimizer_state, s.optimizer_impl) / (cluster.gpu.hbm_bandwidth_bytes_per_s
                                                                       * efficiency.memory)
         tails.append(RankTail(exposed, step))
     return tails

@@ -25,6 +25,8 @@ what-if price. The knobs, with what the cost model does with each:
   which grows with the ranks of a flat ring, none of it overlaps compute, and a recomputed
   forward fetches again; the device holds a module's tensors at a time, not a layer's
   (`cost_models.stage_costs`, `cost_models.memory`).
+- `optimizer_impl=foreach`: torch's default AdamW (multi-tensor passes, a temporary the size of the
+  moments) instead of the runtime's fused kernel (`cost_models.optimizer`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from autopar.errors import AutoparError
 from autopar.cost_models.facts import GemmShape, ModelFacts, OpFacts
 
 RUNTIME_PROFILE: dict[str, Any] = {"attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
-                                   "optimizer_state": "fp32", "zero3_fetch": "unit"}
+                                   "optimizer_state": "fp32", "zero3_fetch": "unit", "optimizer_impl": "fused"}
 PROFILE_KEYS = tuple(RUNTIME_PROFILE)
 _MASK_BYTES = 1  # a dropout mask: one bool per element
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -8,6 +8,8 @@ each unit's costs once per distinct argument set.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from autopar.plan_schema import Strategy
 from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
                                              vocab_parallel_head_collectives)
 from autopar.cost_models.communication import GroupLayout, collective_time_s
+from autopar.capabilities import whole_stage_problem
 from autopar.cost_models.compute import Efficiency, UnitTime, op_time_s, unit_time
 from autopar.cost_models.context import rank_batch, replicas, unit_exchange_s
 from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_all_to_alls, unit_expert_params
@@ -112,9 +115,11 @@ class Pricing:
     def timed(self, unit: Unit) -> UnitTime:
         """One rank's passes: under cp, of its share of the micro-batch's positions (`context.rank_batch`)."""
         s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
-        key = self.cache.token(("time", gpu.name, dtype, s.microbatch, s.cp, s.tp, s.sp, self.efficiency))
+        compiled = s.compile and (unit.layer_type is not None or whole_stage_problem(s) is None)
+        efficiency = dataclasses.replace(self.efficiency, compiled=True) if compiled else self.efficiency
+        key = self.cache.token(("time", gpu.name, dtype, s.microbatch, s.cp, s.tp, s.sp, efficiency))
         return self.cache.get(unit, (key,), lambda: unit_time(unit, gpu, dtype, batch=rank_batch(s), tp=s.tp,
-                                                              sp=s.sp, efficiency=self.efficiency, share=1 / s.cp))
+                                                              sp=s.sp, efficiency=efficiency, share=1 / s.cp))
 
     def attention_s(self, unit: Unit) -> tuple[float, float]:
         """(forward, backward) of the unit's attention kernels on one rank: what a ring's transfers hide behind."""

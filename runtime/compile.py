@@ -5,7 +5,8 @@ baseline compiles (GPT-1.3B on an H100, eager 420.9 ms, `torch.compile(model)` 3
 399.3 ms: ../shared/gpu/h100-2026-11-26.json). It fuses the embedding, the head, the padded-vocabulary
 mask and the loss's fp32 logits, and it cuts the kernels launched per step. It needs a stage that is
 the whole model on plain tensors: no pipeline cut (a schedule calls the stage and the loss apart), no
-DTensor (tp, cp), no FSDP2 unit hooks (zero >= 1) and no expert all-to-alls (`whole_stage_problem`).
+DTensor (tp, cp), no FSDP2 unit hooks (zero >= 1) and no expert all-to-alls
+(`autopar.capabilities.whole_stage_problem`, which the cost model reads too).
 
 Per block (`compile_blocks`), everywhere else: every block of a model runs the same code, so the compiled
 graph is shared and compile time does not grow with depth; a whole-model graph would also have to
@@ -27,15 +28,6 @@ from autopar.errors import AutoparError
 # recompute, one graph). Blocks that differ (say, per-layer attention windows) need an entry each:
 # past dynamo's default of 8 the rest would silently run eagerly.
 _MIN_CACHE_ENTRIES = 64
-
-
-def whole_stage_problem(strategy) -> str | None:
-    """Why this plan's stage cannot compile as one graph with its loss (None: it can)."""
-    reasons = [text for text, applies in (
-        ("pipeline stages", strategy.pp > 1), ("tensor parallel DTensors", strategy.tp > 1),
-        ("context parallel attention", strategy.cp > 1), ("expert all-to-alls", strategy.ep > 1),
-        ("FSDP2 units (zero >= 1)", strategy.zero >= 1)) if applies]
-    return ", ".join(reasons) or None
 
 
 def compile_forward_loss(module: nn.Module, loss_fn, *, backend: str = "inductor"):

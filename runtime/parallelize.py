@@ -28,7 +28,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan_schema import Plan
-from autopar.runtime.compile import compile_blocks, compile_forward_loss, whole_stage_problem
+from autopar.capabilities import whole_stage_problem
+from autopar.runtime.compile import compile_blocks, compile_forward_loss
 from autopar.runtime.context_parallel import ContextParallel, apply_context_parallel, context_parallel_problem
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter_device, set_microbatch_boundary
 from autopar.runtime.dtensor_tp import step_context as dtensor_step_context

@@ -108,7 +108,7 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
                     yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
                                    num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
                                    recompute_layers=counts, offload=offload, ep=ep, cp=cp, cp_kind=cp_kind,
-                                   **profile)
+                                   compile=fixed.get("compile", False), **profile)
                 except ValueError:
                     continue
 

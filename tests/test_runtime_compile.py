@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from autopar.runtime.compile import whole_stage_problem
+from autopar.capabilities import whole_stage_problem
 
 from parity_harness import MAX_GRAD_NORM, SEED, _free_port, batches, make_optimizer, make_plan, reference_run, \
     run_plans, tiny_config

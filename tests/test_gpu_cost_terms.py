@@ -1,0 +1,96 @@
+"""Issue #29's compute terms in closed form: the optimizer step per implementation, misaligned
+16-bit GEMMs, and torch.compile's fused elementwise kernels (whole stage, or the blocks only)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.capabilities import whole_stage_problem
+from autopar.cluster import load_cluster
+from autopar.cost_models.compute import (COMPILE_FUSED_FRACTION, DEFAULT_EFFICIENCY, MISALIGNED_GEMM_FACTOR,
+                                         op_time_s)
+from autopar.cost_models.evaluate import evaluate
+from autopar.cost_models.optimizer import step_bytes_per_param
+from autopar.graph import trace
+from autopar.models import build_model
+from autopar.cost_models.facts import model_facts
+from autopar.plan_schema import Strategy
+
+H100 = load_cluster("dgx-h100", gpus=2)
+CONFIG = "layers=2,hidden=256,heads=4,seq_len=256,vocab={vocab}"
+
+
+def facts_for(vocab: int, multiple: int = 128):
+    spec = build_model("gpt", CONFIG.format(vocab=vocab) + f",vocab_multiple={multiple}")
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16")
+    return model_facts(graph, heads=4, vocab=spec.config.padded_vocab)
+
+
+@pytest.fixture(scope="module")
+def padded():
+    return facts_for(1000)
+
+
+def test_optimizer_step_bytes_are_torchs_passes():
+    assert step_bytes_per_param("fused", clip=False) == 28  # read w, g, m, v; write w, m, v
+    assert step_bytes_per_param("foreach", clip=False) == 84  # eight foreach passes
+    assert step_bytes_per_param("fused") == 28 + 12  # clipping: a norm read, a scaling read and write
+    assert step_bytes_per_param("fused", "bf16", clip=False) == 20
+    assert step_bytes_per_param("foreach", "bf16", clip=False) == 84 - 16
+
+
+def test_the_optimizer_time_is_its_bytes_over_the_hbm(padded):
+    s = Strategy(dp=1, tp=1, pp=1, microbatch=2, num_microbatches=1)
+    cluster = load_cluster("dgx-h100", gpus=1)
+    fused = evaluate(padded, cluster, s, 2).breakdown["optimizer"]
+    foreach = evaluate(padded, cluster, s.model_copy(update={"optimizer_impl": "foreach"}), 2).breakdown["optimizer"]
+    bandwidth = cluster.gpu.hbm_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.memory
+    assert fused == pytest.approx(padded.num_params * 40 / bandwidth, rel=1e-6)
+    assert foreach - fused == pytest.approx(padded.num_params * 56 / bandwidth, rel=1e-6)
+
+
+def test_a_misaligned_16_bit_gemm_runs_at_the_fallback_fraction():
+    aligned, misaligned = facts_for(1001), facts_for(1001, multiple=1)  # head width 1024 vs 1001
+
+    def head_forward(facts):
+        post = next(u for u in facts.units if u.name == "post")
+        return next(op for op in post.forward_ops if op.kind == "matmul")
+
+    op_a, op_m = head_forward(aligned), head_forward(misaligned)
+    gpu = H100.gpu
+    time_a = op_time_s(op_a, gpu, "bf16", batch=4, tp=1, sp=False)
+    time_m = op_time_s(op_m, gpu, "bf16", batch=4, tp=1, sp=False)
+    overhead = DEFAULT_EFFICIENCY.launch_overhead_s
+    # compute-bound at both widths: the misaligned one runs at the fraction, on 1000/1024 of the work
+    assert (time_m - overhead) == pytest.approx((time_a - overhead) * 1001 / 1024 / MISALIGNED_GEMM_FACTOR, rel=0.02)
+    assert op_time_s(op_m, gpu, "fp32", batch=4, tp=1, sp=False) <= op_time_s(op_a, gpu, "fp32", batch=4, tp=1,
+                                                                              sp=False)  # no penalty off 16 bits
+
+
+def test_compiled_vector_ops_move_the_unfused_share_of_their_bytes(padded):
+    vector = next(op for u in padded.units for op in u.forward_ops if op.kind == "vector" and op.activation_bytes)
+    gpu = H100.gpu
+    eager = op_time_s(vector, gpu, "bf16", batch=4, tp=1, sp=False)
+    compiled = op_time_s(vector, gpu, "bf16", batch=4, tp=1, sp=False,
+                         efficiency=dataclasses.replace(DEFAULT_EFFICIENCY, compiled=True))
+    overhead = DEFAULT_EFFICIENCY.launch_overhead_s
+    assert compiled - overhead == pytest.approx((eager - overhead) * (1 - COMPILE_FUSED_FRACTION), rel=1e-9)
+
+
+def test_compile_fuses_the_whole_stage_or_only_the_blocks(padded):
+    one = Strategy(dp=1, tp=1, pp=1, microbatch=2, num_microbatches=1)
+    cluster = load_cluster("dgx-h100", gpus=1)
+    eager = evaluate(padded, cluster, one, 2).breakdown["compute"]
+    whole = evaluate(padded, cluster, one.model_copy(update={"compile": True}), 2).breakdown["compute"]
+    assert whole_stage_problem(one) is None and whole < eager
+    zero3 = Strategy(dp=2, tp=1, pp=1, zero=3, microbatch=1, num_microbatches=1)
+    assert whole_stage_problem(zero3) == "FSDP2 units (zero >= 1)"
+    eager3 = evaluate(padded, H100, zero3, 2).breakdown["compute"]
+    blocks = evaluate(padded, H100, zero3.model_copy(update={"compile": True}), 2).breakdown["compute"]
+    # per block: the layers' vector ops fused, the embedding's, head's and loss's not
+    layer_vector = sum(op_time_s(op, H100.gpu, "bf16", batch=1, tp=1, sp=False) - DEFAULT_EFFICIENCY.launch_overhead_s
+                       for u in padded.units if u.layer_type is not None for op in u.forward_ops + u.backward_ops
+                       if op.kind == "vector")
+    assert eager3 - blocks == pytest.approx(layer_vector * COMPILE_FUSED_FRACTION, rel=1e-6)
