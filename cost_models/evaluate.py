@@ -238,7 +238,8 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             params_on_device=rank_params[rank], largest_unit_params=prices.rank_largest_unit_params[rank],
             precision=pricing.facts.precision, zero=s.zero, dp=replicas(s),
             activation_bytes=pipe.peak_in_flight[rank]
-            + max(prices.stages[i].transient_bytes for i in stage_indices),
+            + max(prices.stages[i].transient_bytes for i in stage_indices)
+            + (loss_gradient_bytes(pricing.facts, s) if len(prices.stages) - 1 in stage_indices else 0.0),
             optimizer_state=s.optimizer_state, offload=s.offload,
             dispatch_bytes=dispatch_buffer_bytes(pricing.facts.experts, [u.name for i in stage_indices
                                                                           for u in stages_units[i]], s.microbatch)
@@ -248,9 +249,21 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             exchange_bytes=exchange_buffer_bytes(pricing.facts.attention, [u.name for i in stage_indices
                                                                             for u in stages_units[i]], s)
             if s.cp > 1 else 0.0,
+            num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl,
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )
+
+
+def loss_gradient_bytes(facts, s: Strategy) -> float:
+    """The cross entropy's backward at the head: the gradients of its nll_loss and of its log_softmax,
+    two fp32 tensors the size of the logits beside the saved log-probabilities (counted with the
+    activations), at the peak of the last stage (MemTracker, `profiler/memory_tracker.py`: 8·b·s·V
+    bytes exactly); vocabulary-parallel (divided by tp) when the loss runs on vocabulary shards (pp=1)."""
+    if not facts.vocab:
+        return 0.0
+    shards = s.tp if s.pp == 1 else 1
+    return 8.0 * s.microbatch * facts.seq_len / s.cp * facts.vocab / shards
 
 
 def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: PipelineResult,

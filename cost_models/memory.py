@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.cost_models.optimizer import temporary_bytes_per_param
+
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); two are in flight while overlapping.
 DDP_BUCKET_BYTES = 25 * 2**20
 # Nominal allocator fragmentation margin and CUDA context + NCCL reserve, until GPU validation
@@ -35,6 +37,11 @@ DDP_BUCKET_BYTES = 25 * 2**20
 # once, in large long-lived blocks (FSDP2's flat shards, Megatron-LM's contiguous gradient
 # buffer), and fragment little.
 FRAGMENTATION_MARGIN = 0.05
+# Autocast over fp32 weights (the runtime without ZeRO) keeps more per layer than the bf16 trace: the
+# norms' fp32 inputs and the per-consumer bf16 casts of their outputs. MemTracker on fake tensors
+# (`benchmarks/memory_tracker_shapes.py`): 40 against 32 bytes per token and hidden unit per layer on
+# the zoo GPT, 59 against 56 on the zoo Llama; the GPT's ratio, the larger, is taken.
+AUTOCAST_ACTIVATION_FACTOR = 40 / 32
 RESERVED_BYTES = 2 * 2**30
 
 
@@ -98,6 +105,8 @@ def device_memory(
     expert_params: float = 0.0,
     expert_dp: int = 1,
     exchange_bytes: float = 0.0,
+    num_microbatches: int = 1,
+    optimizer_impl: str = "fused",
 ) -> MemoryBreakdown:
     """`offload="optimizer"` (FSDP2's CPUOffloadPolicy): every sharded state lives in host memory
     (`cost_models.offload`): the optimizer states (fp32 master weights and moments) always, the
@@ -122,10 +131,35 @@ def device_memory(
         buffers = 0.0
     buffers += dispatch_bytes  # ep: one MoE all-to-all's send and receive buffers
     buffers += exchange_bytes  # cp: the attention exchange's blocks in flight (`cost_models.context`)
+    if precision != "fp32" and zero == 0 and offload == "none" and optimizer_state == "fp32":
+        return _autocast_peak(params_on_device, activation_bytes, buffers, num_microbatches, optimizer_impl)
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
         buffers=buffers, margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers),
     )
+
+
+def _autocast_peak(params: float, activation_bytes: float, buffers: float, num_microbatches: int,
+                   optimizer_impl: str) -> MemoryBreakdown:
+    """Mixed precision as the runtime runs it without ZeRO: autocast over fp32 parameters. Measured
+    with torch's MemTracker on fake tensors (`profiler/memory_tracker.py`, within ~1% of an H100's
+    max_memory_allocated on GPT-1.3B), the step has two peaks:
+    - backward, at the head of the last micro-batch: fp32 weights (4 B) and their bf16 autocast copies
+      (2 B, from the forward to each linear's backward), the moments (8 B), fp32 gradients (4 B) only
+      when earlier micro-batches accumulated them, and the activations;
+    - the optimizer step: weights, gradients and moments (16 B) and the implementation's temporaries
+      (`cost_models.optimizer`: 4 B for foreach).
+    The larger is the peak (per parameter: 14 or 18 B beside the activations, or 16 B + temporaries).
+    Activations are the graph's, traced in the compute precision; under autocast the residual stream
+    stays fp32 and each linear casts its input apart, so they hold more (`AUTOCAST_ACTIVATION_FACTOR`)."""
+    activation_bytes *= AUTOCAST_ACTIVATION_FACTOR
+    backward = MemoryBreakdown(parameters=6 * params, gradients=4 * params if num_microbatches > 1 else 0.0,
+                               optimizer_states=8 * params, activations=activation_bytes, buffers=buffers,
+                               margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers))
+    step = MemoryBreakdown(parameters=4 * params, gradients=4 * params,
+                           optimizer_states=(8 + temporary_bytes_per_param(optimizer_impl)) * params,
+                           activations=0.0, buffers=buffers, margin=FRAGMENTATION_MARGIN * buffers)
+    return max(backward, step, key=lambda part: part.total_bytes)
 
 
 def usable_bytes(memory_bytes: float) -> float:
