@@ -224,7 +224,7 @@ def _train(args, env: Environment, launch: Launch) -> int:
 def _checkpointer(args):
     if args.checkpoint_dir is None:
         return None
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     return Checkpointer(args.checkpoint_dir, keep_last=args.keep_last, async_save=args.async_checkpoint)
 
@@ -232,7 +232,7 @@ def _checkpointer(args):
 def _resume(args, env: Environment, checkpointer, parallel, optimizer, data) -> int:
     """Load the checkpoint `--resume` names (weights, optimizer, generators, data position); returns its
     step (0: starting fresh). Every refusal comes before the first step."""
-    from autopar.runtime.checkpoint import Checkpointer, CheckpointError
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer, CheckpointError
 
     if args.resume == "none":
         return 0

@@ -151,7 +151,7 @@ def test_report_and_profile_outputs_are_checked_before_training(tmp_path):
 
 
 def test_async_checkpoints_from_the_cli_are_complete_and_resume_exactly(tmp_path):
-    from autopar.runtime.checkpoint import verify_checkpoint
+    from autopar.runtime.checkpoint.checkpointer import verify_checkpoint
 
     straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
     code, out, err = _quiet_main(["run", *BYTES, "--steps", "4", "--checkpoint-dir", str(tmp_path / "a"),
