@@ -69,7 +69,8 @@ class SyntheticTokens:
 def open_data(data: str | None, vocab: int, seq_len: int, global_batch: int):
     """The dataset to train on (None: the synthetic stream), checked against the model before any
     process group or step, so every rank refuses bad data with the same line."""
-    from autopar.runtime.data import TokenDataset, default_corpus
+    from autopar.runtime.data.corpus import default_corpus
+    from autopar.runtime.data.loader import TokenDataset
 
     if data == SYNTHETIC:
         return None
@@ -152,7 +153,7 @@ def _token_data(data: str | None, vocab: int, seq_len: int, global_batch: int, s
                              f"seed {seed})")
 
     def loader(parallel):
-        from autopar.runtime.data import TokenLoader
+        from autopar.runtime.data.loader import TokenLoader
 
         return TokenLoader(dataset, seq_len, global_batch, dp_rank=parallel.layout.dp_rank,
                            dp_size=parallel.layout.size("dp"), seed=seed, device=parallel.layout.device)

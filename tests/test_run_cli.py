@@ -195,7 +195,7 @@ def test_checkpoint_errors_come_before_training(capsys, tmp_path):
 
 
 def test_dataset_ids_beyond_the_model_vocabulary_are_refused(capsys, tmp_path):
-    from autopar.runtime.data import prepare_tokens
+    from autopar.runtime.data.prepare import prepare_tokens
 
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 2000)
