@@ -268,15 +268,15 @@ def plan(
 def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str, graph: OpGraph, facts,
                   cluster: ClusterSpec, fixed: dict[str, Any]):
     """What the runtime can execute for this model. Tensor parallelism is decided by dry runs of the
-    planned placements (runtime.tp_realization) when a dry run is possible (one input tensor, a loss):
+    planned placements (runtime.tensor_parallel.realization) when a dry run is possible (one input tensor, a loss):
     DTensor through the model's own forward runs what the module rules refuse or what breaks on
     their local shards, priced from what it sends. One probe comes first, the Megatron layout at
     tp=2: when the module rules run it and send what their analytic ledger prices (in every precision:
-    under autocast they send the low precision, runtime/tp_autocast.py), the search keeps the static
+    under autocast they send the low precision, runtime/tensor_parallel/autocast.py), the search keeps the static
     rules instead of dry-running every layout (seconds each: 5 s → 135 s for gpt3-13b on 64 GPUs).
     A head that reads one token (ViT's classifier) sends less than that ledger says; such a model is
     priced from dry runs."""
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
     from autopar.searcher.tp_placements import module_rules_refusal, planned_tp_placements
 
     table = capabilities_for(model)

@@ -19,7 +19,7 @@ def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
     searcher plans under, checked before any process group starts, so a hand-edited plan is refused
     by `--dry-run`, `inspect --check-plan` and `run` alike."""
     from autopar.api import model_hints
-    from autopar.runtime.tensor_parallel import check_tp_placements, plan_refusal, tp_placement
+    from autopar.runtime.tensor_parallel.module_rules import check_tp_placements, plan_refusal, tp_placement
 
     s = plan.strategy
     unsupported = plan_refusal(model, plan)  # a dtensor tp plan was dry-run: the module rules do not bind it

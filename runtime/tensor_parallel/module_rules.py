@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities, TpBlock, TpRules
 from autopar.errors import AutoparError
 from autopar.plan_schema import parse_placements
-from autopar.runtime.tp_autocast import (LowPrecisionInput, LowPrecisionPartialOutput, ProjectionsOnly, autocast_dtype,
+from autopar.runtime.tensor_parallel.autocast import (LowPrecisionInput, LowPrecisionPartialOutput, ProjectionsOnly, autocast_dtype,
                                          block_inputs_checked)
 
 
@@ -49,7 +49,7 @@ def capabilities_for(model: nn.Module, example_input=None, loss_fn=None, precisi
 
     Given an example input (a batch of one, real or on meta, as the model's forward takes it) and
     the training loss `loss_fn(output, input)`, tensor parallelism is decided by dry runs of the
-    planned placements (`runtime.tp_realization`): the module rules where they run, DTensor through
+    planned placements (`runtime.tensor_parallel.realization`): the module rules where they run, DTensor through
     the model's forward elsewhere, priced from what the dry run sends. Without them, only the
     module rules are offered, as checked statically here.
     """
@@ -65,7 +65,7 @@ def capabilities_for(model: nn.Module, example_input=None, loss_fn=None, precisi
     if loss_fn is None:
         raise AutoparError("capabilities_for got an example input without loss_fn: the dry run of tensor "
                            "parallelism runs the loss too; pass loss_fn(output, input)")
-    from autopar.runtime.tp_realization import TensorParallelRealizer
+    from autopar.runtime.tensor_parallel.realization import TensorParallelRealizer
 
     realizer = TensorParallelRealizer(model, example_input, loss_fn, precision)
     # DTensor runs what the module rules refuse: the static refusal no longer binds (the rules still
@@ -180,10 +180,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
     sees the whole sequence; stages hand on local shards instead.
 
     `realization="dtensor"` realizes the placements with DTensor through the model's forward instead
-    (`runtime.dtensor_tp`: no head, no blocks, no sp; logits sharded over the vocabulary stay so).
+    (`runtime.tensor_parallel.dtensor`: no head, no blocks, no sp; logits sharded over the vocabulary stay so).
     """
     if realization == "dtensor":
-        from autopar.runtime.dtensor_tp import apply_dtensor_tensor_parallel
+        from autopar.runtime.tensor_parallel.dtensor import apply_dtensor_tensor_parallel
 
         if sp:
             raise AutoparError("the dtensor realization of tensor parallelism runs without sequence parallelism: "
@@ -287,7 +287,7 @@ class _BlockInput(ParallelStyle):
 
     Its backward is one all-reduce (or reduce-scatter under sp) of the summed gradients of all the
     block's column-parallel projections, as in Megatron-LM; other inputs (rope tables, masks) pass as they are.
-    Under autocast it is cast to the low precision first (runtime/tp_autocast.py), and only the block's
+    Under autocast it is cast to the low precision first (runtime/tensor_parallel/autocast.py), and only the block's
     linear projections may read it.
     """
 
