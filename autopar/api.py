@@ -247,7 +247,7 @@ def plan(
     efficiency = _calibration(profile, profile_device, graph, cluster, say) if profile else None
     capabilities = _capabilities(model, example_inputs, loss_fn, precision, graph, facts, cluster, fixed)
     if cluster.world_size > 1 and fixed.get("pp") != 1 and not fallback:  # the cut tried on these inputs
-        from autopar.runtime.pipeline import pipeline_refusal
+        from autopar.runtime.pipeline.schedule import pipeline_refusal
 
         capabilities = dataclasses.replace(capabilities, pipeline_refusal=pipeline_refusal(model, example_inputs))
     capabilities = dataclasses.replace(capabilities, expert_parallel_refusal=expert_parallel_refusal(facts.experts),

@@ -3,7 +3,7 @@ process group starts (`load_plan(path, model=...)` calls it), so a hand-edited p
 by `autopar run --dry-run`, `autopar inspect --check-plan` and `autopar run` alike.
 
 The rules are the runtime's own where it exposes them (its capability table and tensor-parallel
-placement check); the pipeline cut rule restates runtime/pipeline.py's `stage_module` without
+placement check); the pipeline cut rule restates runtime/pipeline/schedule.py's `stage_module` without
 copying the model once per stage.
 """
 
@@ -75,7 +75,7 @@ def _prefixes(name: str) -> list[str]:
 
 def _stage_cut_problem(plan: Plan, model: Any) -> str | None:
     """Pipeline stages are cut at the root's children and the blocks of a root-level container
-    (runtime/pipeline.py): a stage lists whole blocks, and every parameter lives on some stage."""
+    (runtime/pipeline/schedule.py): a stage lists whole blocks, and every parameter lives on some stage."""
     listed_anywhere: set[str] = set()
     for stage in plan.stages:
         listed = set(stage.module_paths)

@@ -36,8 +36,8 @@ from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel
                                              expert_parallel_problem, gather_experts, shard_expert_states)
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
-from autopar.runtime.pipeline import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
-                                     tied_gradient_groups)
+from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
+                                               tied_gradient_groups)
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement

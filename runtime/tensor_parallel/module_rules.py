@@ -53,7 +53,7 @@ def capabilities_for(model: nn.Module, example_input=None, loss_fn=None, precisi
     the model's forward elsewhere, priced from what the dry run sends. Without them, only the
     module rules are offered, as checked statically here.
     """
-    from autopar.runtime.pipeline import pipeline_refusal
+    from autopar.runtime.pipeline.schedule import pipeline_refusal
 
     table = dataclasses.replace(RUNTIME_CAPABILITIES,
                                 check_placements=lambda placements: check_tp_placements(model, placements, sp=False),
