@@ -125,7 +125,7 @@ def batch_text(spec, example, global_batch: int, seq_len: int) -> str:
     """`global batch 8 x seq 16` for a zoo LM, `global batch 8 of float32[32]` for a factory's input."""
     if spec.config is not None:
         return f"global batch {global_batch} x seq {seq_len}"
-    from autopar.run_inputs import sample_text
+    from autopar.cli.run_inputs import sample_text
 
     return f"global batch {global_batch} of {sample_text(example)}"
 

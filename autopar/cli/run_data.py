@@ -2,7 +2,7 @@
 
 `--data synthetic` keeps a random-walk stream (every rank draws the whole batch from `--seed`), for
 tests that need a stream independent of any dataset. A user's factory model trains on batches shaped
-like its example input (`autopar/run_inputs.py`), on its own `batches(global_batch, step)`, or on a
+like its example input (`autopar/cli/run_inputs.py`), on its own `batches(global_batch, step)`, or on a
 token dataset when it is a language model.
 """
 
@@ -111,7 +111,7 @@ def choose_data(data: str | None, spec, example, seq_len: int, global_batch: int
         return _token_data(data, spec.config.vocab, seq_len, global_batch, seed)
     import torch
 
-    from autopar.run_inputs import (
+    from autopar.cli.run_inputs import (
         FactoryBatches,
         SyntheticInputs,
         check_drawable,
