@@ -23,6 +23,7 @@ from torch import nn
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph import OpGraph, trace
+from autopar.models.hints import model_hints
 from autopar.plan_schema import Plan
 
 Progress = Callable[[str], None]
@@ -38,9 +39,13 @@ def load_cluster(name_or_file: str | Path, *, gpus: int | None = None) -> Cluste
 def load_plan(path: str | Path, *, model: nn.Module | None = None) -> Plan:
     """A plan file; with `model`, checked to belong to it (its fingerprint) and to be one the runtime
     can execute for it."""
-    from autopar.plan_schema import load_plan as _load
+    if model is None:
+        from autopar.plan_schema import load_plan as _load
 
-    return _load(str(path), model=model)
+        return _load(str(path))
+    from autopar.plan_checks import load_plan_for_model
+
+    return load_plan_for_model(str(path), model)
 
 
 def check_fixed_strategy(strategy: dict[str, Any], world_size: int) -> None:
@@ -48,23 +53,6 @@ def check_fixed_strategy(strategy: dict[str, Any], world_size: int) -> None:
     from autopar.cost_models.strategy import check_fixed_degrees
 
     check_fixed_degrees(strategy, world_size)
-
-
-def model_hints(module: nn.Module) -> dict[str, int | None]:
-    """Attention heads, key/value heads and vocabulary of a zoo or Hugging Face model, read off its
-    config (None where it has none): the tp degrees the searcher may offer must divide the heads."""
-    config = getattr(module, "config", None)
-
-    def first(*names: str) -> int | None:
-        for name in names:
-            value = getattr(config, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        return None
-
-    heads = first("heads", "num_attention_heads", "n_head", "num_heads")
-    return {"heads": heads, "kv_heads": first("num_kv_heads", "num_key_value_heads") or heads,
-            "vocab": first("vocab", "vocab_size")}
 
 
 @dataclass
@@ -276,7 +264,7 @@ def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str
     rules instead of dry-running every layout (seconds each: 5 s → 135 s for gpt3-13b on 64 GPUs).
     A head that reads one token (ViT's classifier) sends less than that ledger says; such a model is
     priced from dry runs."""
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.tp_placements import module_rules_refusal, planned_tp_placements
 
     table = capabilities_for(model)

@@ -98,7 +98,7 @@ class Capabilities:
     # The same runtime's rules as data, for the ILP to offer only what `check_placements` accepts;
     # None when no model is at hand (no rules).
     tp_rules: TpRules | None = None
-    # With the model at hand and an example input (`runtime.tensor_parallel.module_rules.capabilities_for`):
+    # With the model at hand and an example input (`runtime.tensor_parallel.realization.capabilities_for`):
     # given (placements, tp, sp, micro-batch size, recompute policy), the realization that runs
     # them and what it sends, found by a dry run (cached). None: no dry run, the module rules and
     # the graph's Megatron layout are trusted (what-if studies, the zoo through the CLI).

@@ -1,5 +1,5 @@
 """A plan checked against the model it is to run: what the runtime would refuse, found before any
-process group starts (`load_plan(path, model=...)` calls it), so a hand-edited plan is refused
+process group starts (`autopar.load_plan(path, model=...)` calls it), so a hand-edited plan is refused
 by `autopar run --dry-run`, `autopar inspect --check-plan` and `autopar run` alike.
 
 The rules are the runtime's own where it exposes them (its capability table and tensor-parallel
@@ -9,16 +9,30 @@ copying the model once per stage.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from autopar.plan_schema import Plan
+from autopar.errors import AutoparError
+from autopar.models.hints import model_hints
+from autopar.plan_schema import Plan, load_plan
+
+
+def load_plan_for_model(path: str | Path, model: Any) -> Plan:
+    """`load_plan` for `model` (an nn.Module): the plan must carry its fingerprint and be one the
+    runtime can execute for it."""
+    from autopar.graph.capture import model_fingerprint
+
+    plan = load_plan(path, expected_fingerprint=model_fingerprint(model))
+    problem = plan_problem_for_model(plan, model)
+    if problem:
+        raise AutoparError(f"plan {Path(path)} cannot run on this model: {problem}; re-run `autopar plan` for it")
+    return plan
 
 
 def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
     """What in `plan` the runtime would refuse for `model` (an nn.Module), or None: the same rules the
     searcher plans under, checked before any process group starts, so a hand-edited plan is refused
     by `--dry-run`, `inspect --check-plan` and `run` alike."""
-    from autopar.api import model_hints
     from autopar.runtime.tensor_parallel.module_rules import check_tp_placements, plan_refusal, tp_placement
 
     s = plan.strategy

@@ -145,7 +145,7 @@ def plan_for(name: str):
     from autopar.errors import AutoparError
     from autopar.graph import trace
     from autopar.runtime.pipeline.schedule import pipeline_refusal
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.plan_builder import build_plan
     from autopar.searcher.search import search
 

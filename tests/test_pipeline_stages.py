@@ -176,7 +176,7 @@ def _capabilities(model, inputs):
     import dataclasses
 
     from autopar.runtime.pipeline.schedule import pipeline_refusal
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     return dataclasses.replace(capabilities_for(model), pipeline_refusal=pipeline_refusal(model, inputs))
 

@@ -190,7 +190,7 @@ def _placed_plan(model: str, overrides: dict, strategy: dict, world: int, placem
     `build_plan` as any ILP plan: the ledger comes from the placements alone."""
     import dataclasses
 
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.plan_builder import build_plan
     from autopar.searcher.tp_placements import executed_tp_placements
 
@@ -279,7 +279,8 @@ def test_world4_placed_plans_with_data_and_pipeline_parallelism():
 
 def test_placement_check_names_what_the_runtime_cannot_chain():
     from autopar.models import build_model
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for, check_tp_placements
+    from autopar.runtime.tensor_parallel.module_rules import check_tp_placements
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     module = build_model("gpt", tiny_config()).module
     check = capabilities_for(module).check_placements

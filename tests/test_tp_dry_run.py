@@ -83,7 +83,7 @@ def test_a_model_whose_tp_cannot_run_is_refused_before_anything_runs():
     line before any process starts; left free, it offers no tp > 1 and lists the reason."""
     from autopar.cluster import load_cluster
     from autopar.errors import AutoparError
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.search import search
 
     model = CustomKernelLM()
@@ -104,7 +104,7 @@ def test_a_model_whose_tp_cannot_run_is_refused_before_anything_runs():
 def test_multihead_attention_stays_replicated_with_a_reason():
     """DTensor cannot shard nn.MultiheadAttention per head (its forward folds heads into the batch
     dimension): the dry run finds where it fails, keeps that module replicated, shards the rest."""
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.tp_placements import planned_tp_placements
 
     model = AttentionLM()
@@ -134,7 +134,7 @@ def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts(precision,
     from autopar.graph import trace
     from autopar.models import build_model
     from autopar.plan_schema import Strategy
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.tp_placements import planned_tp_placements
 
     spec = build_model("gpt", tiny_config())
@@ -161,7 +161,7 @@ def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts(precision,
 
 
 def test_dry_runs_are_cached_and_every_alias_of_a_tied_weight_counts_once():
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     model = AttentionLM()
     example, _, _ = _graph(model)
@@ -176,7 +176,7 @@ def test_dry_runs_are_cached_and_every_alias_of_a_tied_weight_counts_once():
 
 def _dry_run_in_a_process_group(job: dict) -> dict:
     """In a spawned process with a live gloo group: the dry run must leave it alone (a subprocess)."""
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     model = AttentionLM()
     model.load_state_dict(job["state"])
@@ -187,7 +187,7 @@ def _dry_run_in_a_process_group(job: dict) -> dict:
 
 
 def test_with_a_live_process_group_the_dry_run_runs_in_a_subprocess():
-    from autopar.runtime.tensor_parallel.module_rules import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     model = AttentionLM()
     placements = {"embed.weight": "S(0)", "head.weight": "S(0)", "head.bias": "S(0)"}

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Sequence
 
+from autopar.cli.arguments import POSITIVE
 from autopar.errors import AutoparError
 
 
@@ -21,27 +22,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise AutoparError(f"{message} (see `{self.prog} --help`)")
-
-
-def whole_number(minimum: int):
-    """An argparse type: a whole number of at least `minimum` (a size or count of 0 or less is refused
-    here rather than read as "the default" or met later as a torch error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"whole number ≥ {minimum}"
-    return parse
-
-
-POSITIVE = whole_number(1)
-NON_NEGATIVE = whole_number(0)
 
 
 def build_parser() -> argparse.ArgumentParser:

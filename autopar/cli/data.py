@@ -15,7 +15,7 @@ from autopar.errors import AutoparError
 
 def add_data_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `data prepare` and `data info` on autopar's subcommands."""
-    from autopar.cli.commands import POSITIVE
+    from autopar.cli.arguments import POSITIVE
 
     data = subparsers.add_parser("data", help="prepare token datasets for `autopar run` and describe them")
     data.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")

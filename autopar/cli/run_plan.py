@@ -38,9 +38,9 @@ def provenance_cluster(plan, world_size: int):
 
 
 def load_run_plan(path: str, spec, fixed: dict[str, Any]):
-    from autopar.plan_schema import load_plan
+    from autopar.plan_checks import load_plan_for_model
 
-    plan = load_plan(path, model=spec.module)
+    plan = load_plan_for_model(path, spec.module)
     clashes = [f"{key}={value} (the plan has {key}={getattr(plan.strategy, key)})"
                for key, value in fixed.items() if getattr(plan.strategy, key) != value]
     if clashes:

@@ -9,5 +9,6 @@ collectives in the low precision under autocast.
 
 The rest of the runtime and the API import from the modules (nothing is re-exported here):
 module_rules' `apply_tensor_parallel`, `check_tp_placements`, `plan_refusal`, `tp_placement`,
-`default_head_path`, `capabilities_for`; dtensor's `step_context`.
+`default_head_path`; realization's `capabilities_for` (the capability table, dry runs included);
+dtensor's `step_context`.
 """

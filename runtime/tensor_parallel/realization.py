@@ -19,10 +19,35 @@ from typing import Callable
 import torch
 from torch import nn
 
-from autopar.capabilities import TpRealization
+from autopar.capabilities import Capabilities, TpRealization
+from autopar.errors import AutoparError
 from autopar.runtime.tensor_parallel.dry_run import DTENSOR, MODULES, DryRunSpec, dry_run
 
 MAX_REPLICATED_MODULES = 4
+
+
+def capabilities_for(model: nn.Module, example_input=None, loss_fn=None, precision: str = "fp32") -> Capabilities:
+    """The runtime's capability table for `model`: the placement check bound to it, and what it cannot
+    run at all (so the searcher never offers it).
+
+    Given an example input (a batch of one, real or on meta, as the model's forward takes it) and
+    the training loss `loss_fn(output, input)`, tensor parallelism is decided by dry runs of the
+    planned placements (`TensorParallelRealizer`): the module rules where they run, DTensor through
+    the model's forward elsewhere, priced from what the dry run sends. Without them, only the
+    module rules are offered, as `module_rules.static_capabilities` checks them statically.
+    """
+    from autopar.runtime.tensor_parallel.module_rules import static_capabilities
+
+    table = static_capabilities(model)
+    if example_input is None:
+        return table
+    if loss_fn is None:
+        raise AutoparError("capabilities_for got an example input without loss_fn: the dry run of tensor "
+                           "parallelism runs the loss too; pass loss_fn(output, input)")
+    realizer = TensorParallelRealizer(model, example_input, loss_fn, precision)
+    # DTensor runs what the module rules refuse: the static refusal no longer binds (the rules still
+    # bound the intra-op ILP's proposals, each of which is dry-run before it is priced).
+    return dataclasses.replace(table, tensor_parallel_refusal=None, tp_realization=realizer)
 
 
 class TensorParallelRealizer:
