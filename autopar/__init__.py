@@ -17,7 +17,8 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph import OpGraph, model_fingerprint, trace
-from autopar.api import PlanResult, check_fixed_strategy, load_cluster, load_plan, model_hints, parallelize, plan
+from autopar.models.hints import model_hints
+from autopar.api import PlanResult, check_fixed_strategy, load_cluster, load_plan, parallelize, plan
 
 __all__ = ["__version__", "AutoparError", "CaptureError", "OpGraph", "PlanResult", "check_fixed_strategy",
            "load_cluster", "load_plan", "model_fingerprint", "model_hints", "parallelize", "plan", "trace"]

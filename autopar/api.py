@@ -23,6 +23,7 @@ from torch import nn
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph import OpGraph, trace
+from autopar.models.hints import model_hints
 from autopar.plan_schema import Plan
 
 Progress = Callable[[str], None]
@@ -38,9 +39,13 @@ def load_cluster(name_or_file: str | Path, *, gpus: int | None = None) -> Cluste
 def load_plan(path: str | Path, *, model: nn.Module | None = None) -> Plan:
     """A plan file; with `model`, checked to belong to it (its fingerprint) and to be one the runtime
     can execute for it."""
-    from autopar.plan_schema import load_plan as _load
+    if model is None:
+        from autopar.plan_schema import load_plan as _load
 
-    return _load(str(path), model=model)
+        return _load(str(path))
+    from autopar.plan_checks import load_plan_for_model
+
+    return load_plan_for_model(str(path), model)
 
 
 def check_fixed_strategy(strategy: dict[str, Any], world_size: int) -> None:
@@ -48,23 +53,6 @@ def check_fixed_strategy(strategy: dict[str, Any], world_size: int) -> None:
     from autopar.cost_models.strategy import check_fixed_degrees
 
     check_fixed_degrees(strategy, world_size)
-
-
-def model_hints(module: nn.Module) -> dict[str, int | None]:
-    """Attention heads, key/value heads and vocabulary (the head's width: padded, for the zoo) of a zoo or Hugging Face model, read off its
-    config (None where it has none): the tp degrees the searcher may offer must divide the heads."""
-    config = getattr(module, "config", None)
-
-    def first(*names: str) -> int | None:
-        for name in names:
-            value = getattr(config, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        return None
-
-    heads = first("heads", "num_attention_heads", "n_head", "num_heads")
-    return {"heads": heads, "kv_heads": first("num_kv_heads", "num_key_value_heads") or heads,
-            "vocab": first("padded_vocab", "vocab", "vocab_size")}
 
 
 @dataclass
@@ -247,7 +235,7 @@ def plan(
     efficiency = _calibration(profile, profile_device, graph, cluster, say) if profile else None
     capabilities = _capabilities(model, example_inputs, loss_fn, precision, graph, facts, cluster, fixed)
     if cluster.world_size > 1 and fixed.get("pp") != 1 and not fallback:  # the cut tried on these inputs
-        from autopar.runtime.pipeline import pipeline_refusal
+        from autopar.runtime.pipeline.schedule import pipeline_refusal
 
         capabilities = dataclasses.replace(capabilities, pipeline_refusal=pipeline_refusal(model, example_inputs))
     capabilities = dataclasses.replace(capabilities, expert_parallel_refusal=expert_parallel_refusal(facts.experts),
@@ -268,15 +256,15 @@ def plan(
 def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str, graph: OpGraph, facts,
                   cluster: ClusterSpec, fixed: dict[str, Any]):
     """What the runtime can execute for this model. Tensor parallelism is decided by dry runs of the
-    planned placements (runtime.tp_realization) when a dry run is possible (one input tensor, a loss):
+    planned placements (runtime.tensor_parallel.realization) when a dry run is possible (one input tensor, a loss):
     DTensor through the model's own forward runs what the module rules refuse or what breaks on
     their local shards, priced from what it sends. One probe comes first, the Megatron layout at
     tp=2: when the module rules run it and send what their analytic ledger prices (in every precision:
-    under autocast they send the low precision, runtime/tp_autocast.py), the search keeps the static
+    under autocast they send the low precision, runtime/tensor_parallel/autocast.py), the search keeps the static
     rules instead of dry-running every layout (seconds each: 5 s → 135 s for gpt3-13b on 64 GPUs).
     A head that reads one token (ViT's classifier) sends less than that ledger says; such a model is
     priced from dry runs."""
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.tp_placements import module_rules_refusal, planned_tp_placements
 
     table = capabilities_for(model)

@@ -55,8 +55,8 @@ class TpCollective:
 class TpRealization:
     """How the runtime realizes given tp placements on one model, found by a dry run.
 
-    `name` is "modules" (Megatron-style module rules, `runtime.tensor_parallel`), "dtensor"
-    (DTensor through the model's own forward, `runtime.dtensor_tp`) or None when neither runs
+    `name` is "modules" (Megatron-style module rules, `runtime.tensor_parallel.module_rules`), "dtensor"
+    (DTensor through the model's own forward, `runtime.tensor_parallel.dtensor`) or None when neither runs
     (then `reason` says why, in one line). `collectives` is what one tp rank sends per micro-batch
     (and once per step) of the dry run's micro-batch size.
     """
@@ -99,7 +99,7 @@ class Capabilities:
     # The same runtime's rules as data, for the ILP to offer only what `check_placements` accepts;
     # None when no model is at hand (no rules).
     tp_rules: TpRules | None = None
-    # With the model at hand and an example input (`runtime.tensor_parallel.capabilities_for`):
+    # With the model at hand and an example input (`runtime.tensor_parallel.realization.capabilities_for`):
     # given (placements, tp, sp, micro-batch size, recompute policy), the realization that runs
     # them and what it sends, found by a dry run (cached). None: no dry run, the module rules and
     # the graph's Megatron layout are trusted (what-if studies, the zoo through the CLI).

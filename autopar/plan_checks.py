@@ -1,25 +1,39 @@
 """A plan checked against the model it is to run: what the runtime would refuse, found before any
-process group starts (`load_plan(path, model=...)` calls it), so a hand-edited plan is refused
+process group starts (`autopar.load_plan(path, model=...)` calls it), so a hand-edited plan is refused
 by `autopar run --dry-run`, `autopar inspect --check-plan` and `autopar run` alike.
 
 The rules are the runtime's own where it exposes them (its capability table and tensor-parallel
-placement check); the pipeline cut rule restates runtime/pipeline.py's `stage_module` without
+placement check); the pipeline cut rule restates runtime/pipeline/schedule.py's `stage_module` without
 copying the model once per stage.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from autopar.plan_schema import Plan
+from autopar.errors import AutoparError
+from autopar.models.hints import model_hints
+from autopar.plan_schema import Plan, load_plan
+
+
+def load_plan_for_model(path: str | Path, model: Any) -> Plan:
+    """`load_plan` for `model` (an nn.Module): the plan must carry its fingerprint and be one the
+    runtime can execute for it."""
+    from autopar.graph.capture import model_fingerprint
+
+    plan = load_plan(path, expected_fingerprint=model_fingerprint(model))
+    problem = plan_problem_for_model(plan, model)
+    if problem:
+        raise AutoparError(f"plan {Path(path)} cannot run on this model: {problem}; re-run `autopar plan` for it")
+    return plan
 
 
 def plan_problem_for_model(plan: Plan, model: Any) -> str | None:
     """What in `plan` the runtime would refuse for `model` (an nn.Module), or None: the same rules the
     searcher plans under, checked before any process group starts, so a hand-edited plan is refused
     by `--dry-run`, `inspect --check-plan` and `run` alike."""
-    from autopar.api import model_hints
-    from autopar.runtime.tensor_parallel import check_tp_placements, plan_refusal, tp_placement
+    from autopar.runtime.tensor_parallel.module_rules import check_tp_placements, plan_refusal, tp_placement
 
     s = plan.strategy
     unsupported = plan_refusal(model, plan)  # a dtensor tp plan was dry-run: the module rules do not bind it
@@ -75,7 +89,7 @@ def _prefixes(name: str) -> list[str]:
 
 def _stage_cut_problem(plan: Plan, model: Any) -> str | None:
     """Pipeline stages are cut at the root's children and the blocks of a root-level container
-    (runtime/pipeline.py): a stage lists whole blocks, and every parameter lives on some stage."""
+    (runtime/pipeline/schedule.py): a stage lists whole blocks, and every parameter lives on some stage."""
     listed_anywhere: set[str] = set()
     for stage in plan.stages:
         listed = set(stage.module_paths)

@@ -378,14 +378,11 @@ def save_plan(plan: Plan, path: str | Path) -> None:
     atomic_write_text(path, plan.to_json())
 
 
-def load_plan(path: str | Path, expected_fingerprint: str | None = None, model: Any = None) -> Plan:
+def load_plan(path: str | Path, expected_fingerprint: str | None = None) -> Plan:
     """Read a plan, refusing other schema versions, plans inconsistent in themselves and plans made for
-    another model. With `model` (an nn.Module), the plan is also checked against it: its fingerprint,
-    and everything the runtime would otherwise refuse only once the process group is up."""
-    if model is not None and expected_fingerprint is None:
-        from autopar.graph.capture import model_fingerprint
-
-        expected_fingerprint = model_fingerprint(model)
+    another model. Checked against the model itself (its fingerprint, and everything the runtime would
+    otherwise refuse only once the process group is up): `autopar.plan_checks.load_plan_for_model`,
+    which `autopar.load_plan(path, model=...)` calls; the schema does not know the runtime's rules."""
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "not found"
@@ -417,12 +414,6 @@ def load_plan(path: str | Path, expected_fingerprint: str | None = None, model: 
             f"plan {path} was made for model fingerprint {found} ({plan.provenance.model_name}), this model is "
             f"{expected_fingerprint}: re-run `autopar plan` for this model"
         )
-    if model is not None:
-        from autopar.plan_checks import plan_problem_for_model
-
-        problem = plan_problem_for_model(plan, model)
-        if problem:
-            raise AutoparError(f"plan {path} cannot run on this model: {problem}; re-run `autopar plan` for it")
     return plan
 
 

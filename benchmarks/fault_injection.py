@@ -138,7 +138,7 @@ def losses(metrics: Path) -> dict[int, float]:
 def final_state(checkpoints: Path, steps: int) -> dict:
     """Everything the final checkpoint holds (weights, optimizer state), as plain tensors, read with
     the allow-list reader `autopar run` loads with (nothing in the files is executed)."""
-    from autopar.runtime.checkpoint_reader import read_checkpoint_state
+    from autopar.runtime.checkpoint.reader import read_checkpoint_state
 
     return read_checkpoint_state(checkpoints / f"step-{steps:08d}")
 

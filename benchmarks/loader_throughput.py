@@ -21,7 +21,8 @@ import time
 import torch
 
 from autopar.models import build_model
-from autopar.runtime.data import TokenDataset, TokenLoader, default_corpus
+from autopar.runtime.data.corpus import default_corpus
+from autopar.runtime.data.loader import TokenDataset, TokenLoader
 
 REFERENCE_MFU = 0.488  # eager GPT-1.3B, measured on the lent H100 2026-11-22 (issue #7)
 H100_BF16_PEAK_FLOPS = 989e12  # dense bf16, H100 SXM datasheet

@@ -144,8 +144,8 @@ def plan_for(name: str):
     from autopar.cost_models.facts import model_facts
     from autopar.errors import AutoparError
     from autopar.graph import trace
-    from autopar.runtime.pipeline import pipeline_refusal
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.pipeline.schedule import pipeline_refusal
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.plan_builder import build_plan
     from autopar.searcher.search import search
 

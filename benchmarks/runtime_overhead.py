@@ -169,7 +169,7 @@ def _tensor_parallel(model, tp_mesh, plan, sp: bool, last_stage: bool, pipelined
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    from autopar.runtime.tensor_parallel import tp_placement  # "RS(0)" over (dp, tp) -> "S(0)"
+    from autopar.runtime.tensor_parallel.module_rules import tp_placement  # "RS(0)" over (dp, tp) -> "S(0)"
 
     def tp(name: str) -> str:
         return tp_placement(plan.param_placements.get(name, "RR"))

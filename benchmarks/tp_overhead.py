@@ -40,7 +40,7 @@ def _plan(overrides: dict, realization: str):
     from autopar.cost_models.facts import model_facts
     from autopar.graph import trace
     from autopar.models import build_model
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.plan_builder import build_plan
     from autopar.searcher.search import search
 

@@ -1,6 +1,6 @@
 """Checkpoint cost: how long a plan's checkpoint takes to save, and how often to save one.
 
-Saving (runtime/checkpoint.py) has every rank write its share of the state (DCP writes a tensor
+Saving (runtime/checkpoint/checkpointer.py) has every rank write its share of the state (DCP writes a tensor
 replicated on several ranks once, spread over them), then hash what it wrote for the manifest.
 Ranks on one node share that node's link to storage, so the save takes as long as the busiest node
 needs to write its ranks' bytes, plus the longest hashing of one rank's bytes.

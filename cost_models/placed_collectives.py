@@ -4,7 +4,7 @@
 through the op graph. Plans with per-parameter placements run module by module as the placements
 say, so `placed_units` rewrites the units' collectives from the placements and the runtime's rules
 (which layers, blocks, head and embeddings are sharded, and what full recompute resends); when a
-dry run of the placements is at hand (`runtime.tp_dry_run`), `dry_run_units` carries exactly what
+dry run of the placements is at hand (`runtime.tensor_parallel.dry_run`), `dry_run_units` carries exactly what
 it recorded instead, and `dry_run_ledger` adds it up per step.
 """
 
@@ -33,7 +33,7 @@ class PlacedLayout:
 
 
 def placed_units(graph: OpGraph, units: Sequence[Unit], tp_placements: dict[str, str], microbatch: int) -> PlacedLayout:
-    """The tensor parallelism `runtime.tensor_parallel` executes (without sequence parallelism) for
+    """The tensor parallelism `runtime.tensor_parallel.module_rules` executes (without sequence parallelism) for
     the tp placements "R", "S(0)", "S(1)" of each parameter (absent: R), as units `step_collectives` reads.
 
     Per micro-batch, by module (what DTensor's parallel styles send; the graph gives the sizes):
@@ -107,7 +107,7 @@ def placed_units(graph: OpGraph, units: Sequence[Unit], tp_placements: dict[str,
 def dry_run_units(graph: OpGraph, units: Sequence[Unit], collectives: Sequence, tp_placements: dict[str, str],
                   microbatch: int, recompute_policy: str = "full") -> PlacedLayout:
     """Units carrying exactly the tp collectives a dry run of the placements recorded
-    (`runtime.tp_dry_run`: each `autopar.capabilities.TpCollective` with its phase and module),
+    (`runtime.tensor_parallel.dry_run`: each `autopar.capabilities.TpCollective` with its phase and module),
     for a micro-batch of `microbatch` samples, as `step_collectives` and the evaluator read them.
 
     Each forward (backward) collective is carried by a forward (backward) op of the unit holding

@@ -37,7 +37,7 @@ def parse_bytes(text: str) -> int:
 
 def add_profile_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `profile` on autopar's subcommands."""
-    from autopar.cli import NON_NEGATIVE, POSITIVE
+    from autopar.cli.arguments import NON_NEGATIVE, POSITIVE
 
     profile = subparsers.add_parser(
         "profile", help="measure op times (and, under torchrun, collectives) into a profile database")

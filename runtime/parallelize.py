@@ -32,17 +32,17 @@ from autopar.capabilities import whole_stage_problem
 from autopar.runtime.compile import compile_blocks, compile_forward_loss
 from autopar.runtime.context_parallel import ContextParallel, apply_context_parallel, context_parallel_problem
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter_device, set_microbatch_boundary
-from autopar.runtime.dtensor_tp import step_context as dtensor_step_context
+from autopar.runtime.tensor_parallel.dtensor import step_context as dtensor_step_context
 from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel, build_expert_groups,
                                              expert_parallel_problem, gather_experts, shard_expert_states)
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.optimizer import build_optimizer
-from autopar.runtime.pipeline import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
-                                     tied_gradient_groups)
+from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
+                                               tied_gradient_groups)
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.tensor_parallel import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
+from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
 
 
 @dataclass

@@ -135,7 +135,7 @@ class TrainingLoop:
         interval Young/Daly suggests, printed by rank 0."""
         if self.checkpointer is None or self._save_predicted:
             return
-        from autopar.runtime.checkpoint_cost import predict_save
+        from autopar.runtime.checkpoint.cost import predict_save
 
         self._save_predicted = True
         self.save_prediction = predict_save(self.parallel, self.optimizer, self.config.cluster)

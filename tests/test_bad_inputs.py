@@ -335,7 +335,7 @@ def test_a_peer_rank_reports_after_the_grace_period(monkeypatch, capsys):
     meet the input): a bad input only it meets is never swallowed."""
     import time
 
-    import autopar.cli as cli
+    import autopar.cli.commands as cli
 
     monkeypatch.setattr(cli, "PEER_REPORT_DELAY_S", 0.2)
     monkeypatch.setenv("WORLD_SIZE", "2")

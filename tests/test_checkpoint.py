@@ -61,7 +61,7 @@ def _draws() -> list[float]:
 
 
 def _local_optimizer_state(parallel, optimizer) -> dict[str, torch.Tensor]:
-    from autopar.runtime.checkpoint_state import optimizer_entries
+    from autopar.runtime.checkpoint.state import optimizer_entries
 
     values = optimizer_entries(parallel, optimizer).values
     return {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in values.items()}
@@ -138,7 +138,7 @@ def _listing(directory: str) -> dict:
 # ---- jobs in the two-process group ------------------------------------------------------------------
 def _reshard_job(job: dict) -> dict:
     """Train under plan A, save, continue under A; load under each other plan and continue there."""
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, optimizer = _build(job["plan"], job["optimizer"])
     _train(parallel, optimizer, DATA[:STEPS_BEFORE])
@@ -181,7 +181,7 @@ def _same_state(parallel, optimizer, twin, twin_optimizer) -> bool:
 
 def _grow_job(job: dict) -> dict:
     """A checkpoint of a world of one (plain tensors) loaded under dp=2 ZeRO-3 (DTensor shards)."""
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, optimizer = _build(job["plan"], "sgd")
     Checkpointer(job["directory"]).load("latest", parallel, optimizer)
@@ -192,7 +192,7 @@ def _failure_job(job: dict) -> dict:
     """Disk full and a failing write on one rank, sync and async: nothing half-published, all ranks
     told; then a bit flipped in one rank's file: every rank falls back to the previous checkpoint."""
     from autopar.errors import AutoparError
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, optimizer = _build(job["plan"], "sgd")
     _train(parallel, optimizer, DATA[:1])
@@ -268,7 +268,7 @@ def world_of_one():
 @pytest.fixture(scope="module")
 def group(world_of_one, tmp_path_factory):
     """Every two-process case, run once; plus a world-of-one checkpoint for the group to grow from."""
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     root = tmp_path_factory.mktemp("group")
     parallel, optimizer = _build(world_of_one, "sgd")
@@ -329,7 +329,7 @@ def test_async_save_loads_exactly_as_sync_save(group):
 
 
 def test_checkpoint_of_two_ranks_resumes_in_one_process_and_one_rank_grows_to_two(group, world_of_one):
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     for name in ("sgd", "adamw"):
         ranks = group[name]
@@ -362,7 +362,7 @@ def test_failed_saves_across_ranks_publish_nothing(group):
 
 # ---- a world of one ---------------------------------------------------------------------------------
 def test_round_trip_restores_weights_adamw_state_hyperparameters_extra_and_generators(world_of_one, tmp_path):
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, optimizer = _build(world_of_one, "adamw")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -406,7 +406,7 @@ class _CountingSGD(torch.optim.SGD):
 
 
 def test_optimizer_state_that_is_not_a_tensor_round_trips(world_of_one, tmp_path):
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, _ = _build(world_of_one, "sgd")
     optimizer = _CountingSGD(parallel.parameters(), lr=0.05, momentum=0.9)
@@ -422,7 +422,7 @@ def test_optimizer_state_that_is_not_a_tensor_round_trips(world_of_one, tmp_path
 
 
 def test_publication_keep_last_replacement_and_leftovers(world_of_one, tmp_path):
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, optimizer = _build(world_of_one, "sgd")
     checkpointer = Checkpointer(tmp_path, keep_last=2)
@@ -442,7 +442,7 @@ def test_publication_keep_last_replacement_and_leftovers(world_of_one, tmp_path)
 
 
 def test_damaged_files_are_named_and_latest_falls_back(world_of_one, tmp_path, capfd):
-    from autopar.runtime.checkpoint import CheckpointError, Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import CheckpointError, Checkpointer
 
     parallel, optimizer = _build(world_of_one, "sgd")
     checkpointer = Checkpointer(tmp_path, keep_last=3)
@@ -470,7 +470,7 @@ def test_damaged_files_are_named_and_latest_falls_back(world_of_one, tmp_path, c
 
 
 def test_a_killed_save_leaves_the_previous_checkpoint_and_is_swept_by_the_next(world_of_one, tmp_path):
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(world_of_one)
@@ -490,7 +490,7 @@ def test_a_killed_save_leaves_the_previous_checkpoint_and_is_swept_by_the_next(w
 
 def _killed_save(plan_file: str, directory: str) -> None:
     """Child process: save step 1, then die (no cleanup, no exception handling) inside step 2's write."""
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, optimizer = _build(Path(plan_file).read_text(), "sgd")
     _train(parallel, optimizer, DATA[:1])
@@ -506,7 +506,7 @@ def _killed_save(plan_file: str, directory: str) -> None:
 
 def test_checkpoint_of_another_model_is_refused_in_one_line(world_of_one, tmp_path):
     from autopar.errors import AutoparError
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, optimizer = _build(world_of_one, "sgd")
     checkpointer = Checkpointer(tmp_path)

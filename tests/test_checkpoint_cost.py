@@ -65,9 +65,9 @@ def _step(parallel, optimizer) -> None:
 
 
 def test_a_ranks_share_counts_adams_state_before_it_exists_and_matches_the_files(world_of_one, tmp_path):
-    from autopar.runtime.checkpoint import Checkpointer
-    from autopar.runtime.checkpoint_reader import read_safe_metadata
-    from autopar.runtime.checkpoint_state import expected_write_bytes
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
+    from autopar.runtime.checkpoint.reader import read_safe_metadata
+    from autopar.runtime.checkpoint.state import expected_write_bytes
 
     parallel, optimizer = _build(world_of_one)
     params = list(parallel.parameters())
@@ -85,7 +85,7 @@ def test_a_ranks_share_counts_adams_state_before_it_exists_and_matches_the_files
 
 
 def _shares_job(job: dict) -> dict:
-    from autopar.runtime.checkpoint_state import expected_write_bytes
+    from autopar.runtime.checkpoint.state import expected_write_bytes
 
     parallel, optimizer = _build(job["plan"])
     _step(parallel, optimizer)
@@ -93,7 +93,7 @@ def _shares_job(job: dict) -> dict:
 
 
 def test_shares_of_the_ranks_add_up_to_the_one_process_checkpoint_under_dp_zero3_and_tp(world_of_one, tmp_path):
-    from autopar.runtime.checkpoint_state import expected_write_bytes
+    from autopar.runtime.checkpoint.state import expected_write_bytes
 
     parallel, optimizer = _build(world_of_one)
     _step(parallel, optimizer)

@@ -43,7 +43,7 @@ def _touch(marker: Path) -> str:
 
 def _rehash(checkpoint: Path) -> None:
     """Recompute the manifest's sizes and sha256 for the files it lists, as the attacker would."""
-    from autopar.runtime.checkpoint_files import MANIFEST, file_digests
+    from autopar.runtime.checkpoint.files import MANIFEST, file_digests
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     files = {name: checkpoint / name for name in manifest["files"]}
@@ -52,7 +52,7 @@ def _rehash(checkpoint: Path) -> None:
 
 
 def _set_manifest_entry(checkpoint: Path, name: str, entry: dict) -> None:
-    from autopar.runtime.checkpoint_files import MANIFEST
+    from autopar.runtime.checkpoint.files import MANIFEST
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     manifest["files"][name] = entry
@@ -60,7 +60,7 @@ def _set_manifest_entry(checkpoint: Path, name: str, entry: dict) -> None:
 
 
 def _metadata(checkpoint: Path):
-    from autopar.runtime.checkpoint_reader import read_safe_metadata
+    from autopar.runtime.checkpoint.reader import read_safe_metadata
 
     return read_safe_metadata(checkpoint)
 
@@ -75,7 +75,7 @@ def world_of_one():
 @pytest.fixture
 def saved(world_of_one, tmp_path):
     """A directory with one published checkpoint (step 1) and a model and optimizer to load it into."""
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, optimizer = _build(world_of_one, "sgd")
     _train(parallel, optimizer, DATA[:1])
@@ -95,7 +95,7 @@ def test_a_crafted_index_with_a_recomputed_manifest_is_refused_and_runs_nothing(
     from torch.distributed.checkpoint import FileSystemReader
 
     from autopar.errors import AutoparError
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     directory, parallel, optimizer = saved
     demo, marker = tmp_path / "demo", tmp_path / "pwned"
@@ -125,7 +125,7 @@ def test_a_crafted_index_with_a_recomputed_manifest_is_refused_and_runs_nothing(
 def test_a_crafted_non_tensor_value_is_refused_and_runs_nothing(world_of_one, tmp_path):
     """DCP loads non-tensor state (here an optimizer's Python counter) with torch.load(weights_only=False)."""
     from autopar.errors import AutoparError
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     parallel, _ = _build(world_of_one, "sgd")
     optimizer = _CountingSGD(parallel.parameters(), lr=0.05, momentum=0.9)
@@ -162,7 +162,7 @@ def test_a_crafted_non_tensor_value_is_refused_and_runs_nothing(world_of_one, tm
 
 def test_paths_in_the_manifest_and_the_index_stay_inside_the_checkpoint(saved, tmp_path):
     from autopar.errors import AutoparError
-    from autopar.runtime.checkpoint import Checkpointer, CheckpointError, verify_checkpoint
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer, CheckpointError, verify_checkpoint
 
     directory, parallel, optimizer = saved
     checkpoint = directory / "step-00000001"
@@ -192,7 +192,7 @@ def test_paths_in_the_manifest_and_the_index_stay_inside_the_checkpoint(saved, t
 
 
 def test_latest_is_a_checkpoint_name_of_its_directory_and_step_symlinks_are_not_followed(saved, tmp_path):
-    from autopar.runtime.checkpoint import Checkpointer, CheckpointError
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer, CheckpointError
 
     directory, parallel, optimizer = saved
     elsewhere = tmp_path / "elsewhere"
@@ -214,7 +214,7 @@ def test_latest_is_a_checkpoint_name_of_its_directory_and_step_symlinks_are_not_
 
 
 def test_latest_naming_a_missing_checkpoint_with_nothing_else_is_an_error(saved):
-    from autopar.runtime.checkpoint import Checkpointer, CheckpointError
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer, CheckpointError
 
     directory, parallel, optimizer = saved
     shutil.rmtree(directory / "step-00000001")

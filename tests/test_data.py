@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-import autopar.runtime.data_prepare as data_prepare
+import autopar.runtime.data.prepare as data_prepare
 from autopar.cli import main
 from autopar.errors import AutoparError
-from autopar.runtime.data import TokenDataset, TokenLoader, default_corpus, prepare_tokens
+from autopar.runtime.data.corpus import default_corpus
+from autopar.runtime.data.loader import TokenDataset, TokenLoader
+from autopar.runtime.data.prepare import prepare_tokens
 
 EOS = 256
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from autopar.errors import AutoparError
-from autopar.runtime.data import TokenDataset, prepare_tokens
+from autopar.runtime.data.loader import TokenDataset
+from autopar.runtime.data.prepare import prepare_tokens
 
 BYTES = ["--model", "gpt", "--model-config", "layers=2,hidden=32,heads=4,vocab=257,seq_len=32", "--cluster", "local",
          "--global-batch", "8", "--lr", "3e-3", "--log-every", "1"]

@@ -82,7 +82,7 @@ def test_capture_records_each_moe_layer(small):
     assert (layer.experts, layer.top_k, layer.capacity_factor, capacity) == (E, K, 1.0, CAPACITY)
     assert layer.expert_param_elements == E * 2 * HIDDEN * 4 * HIDDEN  # w_in and w_out, ffn 4 × hidden
     assert layer.dispatch_rows_per_sample == E * capacity and layer.autopar_dispatch
-    from autopar.inspect import render, summarize
+    from autopar.cli.inspect import render, summarize
 
     assert ("mixture of experts: 2 layers (MoE, first layers.0.mlp): 4 experts, top 2, capacity factor 1.0; "
             "65.54 K expert params; 32 rows of 32 per sequence per all-to-all") in render(summarize(graph))

@@ -68,7 +68,7 @@ def test_tp2_parity_fused_qkv_masked_lm_encoder_decoder_vision_and_odd_layouts()
 
 def test_the_module_rules_refuse_what_dtensor_runs():
     """Without a dry run (no example input), the static module rules still refuse these models' tp."""
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     assert "Conv1D" in capabilities_for(build("gpt2")).tensor_parallel_refusal
     assert "start belongs to a OddEncoder" in capabilities_for(build("torch_odd")).tensor_parallel_refusal

@@ -7,7 +7,7 @@ from autopar.cluster import load_cluster
 from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY
 from autopar.cost_models.memory import FRAGMENTATION_MARGIN, RESERVED_BYTES, usable_bytes
-from autopar.runtime.tensor_parallel import capabilities_for
+from autopar.runtime.tensor_parallel.realization import capabilities_for
 from autopar.searcher.memory_budget import layer_budget
 from autopar.searcher.search import Refiner
 

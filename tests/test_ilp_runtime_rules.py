@@ -13,7 +13,7 @@ from autopar.graph import trace
 from autopar.models import build_model
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY
 from autopar.cost_models.facts import model_facts
-from autopar.runtime.tensor_parallel import capabilities_for
+from autopar.runtime.tensor_parallel.realization import capabilities_for
 from autopar.searcher.intra_op import solve_unit
 from autopar.searcher.intra_op_rules import equal, forbidden
 from autopar.searcher.search import Refiner, search

@@ -98,7 +98,7 @@ def test_pipeline_with_data_and_tensor_parallel_world4():
 
 def _cut(family: str, strategy: dict, world: int = 2):
     """The plan and the runtime's cut of `family`'s forward into its stages, on one process."""
-    from autopar.runtime.pipeline import cut_pipeline, microbatch_inputs
+    from autopar.runtime.pipeline.schedule import cut_pipeline, microbatch_inputs
 
     plan = hf_plan(family, strategy, world)
     model = hf_tiny.build(family)
@@ -175,8 +175,8 @@ def _mean_square(output, inputs):
 def _capabilities(model, inputs):
     import dataclasses
 
-    from autopar.runtime.pipeline import pipeline_refusal
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.pipeline.schedule import pipeline_refusal
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     return dataclasses.replace(capabilities_for(model), pipeline_refusal=pipeline_refusal(model, inputs))
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import autopar
-import autopar.cli
+import autopar.cli.commands
 from autopar.errors import AutoparError
 from autopar.graph.ir import TensorMeta
 from autopar.models import build_model
@@ -354,8 +354,8 @@ def test_collective_profiler_on_gloo_with_two_processes(tmp_path):
 
 # --- the command -----------------------------------------------------------------------------------
 def _run_cli(capsys, *argv):
-    """autopar's own main, with `profile` registered when autopar/cli.py does not do it yet."""
-    original = autopar.cli.build_parser
+    """autopar's own main, with `profile` registered when autopar/cli/commands.py does not do it yet."""
+    original = autopar.cli.commands.build_parser
 
     def build():
         parser = original()
@@ -364,11 +364,11 @@ def _run_cli(capsys, *argv):
             add_profile_command(commands)
         return parser
 
-    autopar.cli.build_parser = build
+    autopar.cli.commands.build_parser = build
     try:
-        code = autopar.cli.main(list(argv))
+        code = autopar.cli.commands.main(list(argv))
     finally:
-        autopar.cli.build_parser = original
+        autopar.cli.commands.build_parser = original
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

@@ -29,11 +29,11 @@ def _plan(cluster, gpus: int, strategy: str, global_batch: int = 8):
 
 def test_one_process_plan_predicts_the_bytes_the_runtime_will_write():
     """A world-1 plan: the report's share is what `autopar run` counts for that plan before it saves
-    (runtime/checkpoint_state.expected_write_bytes, which tests/test_checkpoint_cost.py checks against
+    (runtime/checkpoint/state.expected_write_bytes, which tests/test_checkpoint_cost.py checks against
     the files DCP writes)."""
     import torch
 
-    from autopar.runtime.checkpoint_state import expected_write_bytes
+    from autopar.runtime.checkpoint.state import expected_write_bytes
 
     spec, result = _plan("local", None, "dp=1")
     predicted = result.summary().checkpoint

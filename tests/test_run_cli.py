@@ -195,7 +195,7 @@ def test_checkpoint_errors_come_before_training(capsys, tmp_path):
 
 
 def test_dataset_ids_beyond_the_model_vocabulary_are_refused(capsys, tmp_path):
-    from autopar.runtime.data import prepare_tokens
+    from autopar.runtime.data.prepare import prepare_tokens
 
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 2000)
@@ -229,10 +229,10 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
 
 def _search_on_two_ranks(rank: int, port: int, out: str) -> None:
     """One of two gloo ranks calling `run_plan.search_plan`: rank 1's own search raises if it runs."""
-    from autopar import run_plan
+    from autopar.cli import run_plan
     from autopar.errors import AutoparError
     from autopar.models import build_model
-    from autopar.run import Environment
+    from autopar.cli.run import Environment
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
     if rank == 1:

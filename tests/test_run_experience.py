@@ -151,7 +151,7 @@ def test_report_and_profile_outputs_are_checked_before_training(tmp_path):
 
 
 def test_async_checkpoints_from_the_cli_are_complete_and_resume_exactly(tmp_path):
-    from autopar.runtime.checkpoint import verify_checkpoint
+    from autopar.runtime.checkpoint.checkpointer import verify_checkpoint
 
     straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
     code, out, err = _quiet_main(["run", *BYTES, "--steps", "4", "--checkpoint-dir", str(tmp_path / "a"),
@@ -227,7 +227,7 @@ class _Event:
 
 
 def test_compute_time_counts_nested_operators_once_and_leaves_collectives_out():
-    from autopar.run_profile import collective_time_s, compute_time_s
+    from autopar.cli.run_profile import collective_time_s, compute_time_s
 
     cpu = [_Event("aten::linear", 0, 100), _Event("aten::addmm", 10, 90),  # nested: counted once
            _Event("aten::copy_", 150, 200), _Event("gloo:all_reduce", 180, 260),  # 20 us of the copy is gloo's

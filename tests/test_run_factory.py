@@ -113,8 +113,8 @@ def test_torchrun_tensor_parallel_hf_gpt2_factory_matches_one_process(tmp_path):
     its weights (DTensor through HF's forward), given with --plan."""
     import autopar
     from autopar.models import build_model
-    from autopar.run_data import SyntheticTokens
-    from autopar.run_plan import planning_cluster
+    from autopar.cli.run_data import SyntheticTokens
+    from autopar.cli.run_plan import planning_cluster
 
     name = "examples.hf_gpt2_factory:build"
     spec = build_model(name)
@@ -136,7 +136,7 @@ def test_torchrun_tensor_parallel_hf_gpt2_factory_matches_one_process(tmp_path):
 
 
 def test_factories_autopar_run_cannot_train_are_one_line_each(capsys, tmp_path):
-    from autopar.runtime.data import prepare_tokens
+    from autopar.runtime.data.prepare import prepare_tokens
 
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 200)

@@ -190,7 +190,7 @@ def _placed_plan(model: str, overrides: dict, strategy: dict, world: int, placem
     `build_plan` as any ILP plan: the ledger comes from the placements alone."""
     import dataclasses
 
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.plan_builder import build_plan
     from autopar.searcher.tp_placements import executed_tp_placements
 
@@ -201,7 +201,7 @@ def _placed_plan(model: str, overrides: dict, strategy: dict, world: int, placem
 
 
 def _differs_from_megatron(model: str, plan) -> bool:
-    from autopar.runtime.tensor_parallel import tp_placement
+    from autopar.runtime.tensor_parallel.module_rules import tp_placement
 
     megatron = make_plan(model, tiny_config(model), dict(dp=1, tp=2, pp=1, microbatch=4), 2, GLOBAL_BATCH)
     return any(tp_placement(plan.param_placements[name]) != tp_placement(text)
@@ -279,7 +279,8 @@ def test_world4_placed_plans_with_data_and_pipeline_parallelism():
 
 def test_placement_check_names_what_the_runtime_cannot_chain():
     from autopar.models import build_model
-    from autopar.runtime.tensor_parallel import capabilities_for, check_tp_placements
+    from autopar.runtime.tensor_parallel.module_rules import check_tp_placements
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     module = build_model("gpt", tiny_config()).module
     check = capabilities_for(module).check_placements
@@ -303,7 +304,7 @@ def test_world2_plan_the_ilp_chose_under_the_runtime_rules_trains_like_one_proce
     """Wide enough that the ILP (restricted to what the runtime runs) shards the blocks but keeps the
     embedding replicated where Megatron's propagation would split it over the vocabulary: that plan,
     as searched, trains like one process and sends what its ledger lists."""
-    from autopar.runtime.tensor_parallel import tp_placement
+    from autopar.runtime.tensor_parallel.module_rules import tp_placement
 
     overrides = dict(layers=2, hidden=256, heads=4, vocab=512, seq_len=128)
     strategy = dict(dp=1, tp=2, pp=1, sp=False, microbatch=8)

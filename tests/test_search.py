@@ -136,7 +136,8 @@ def test_ilp_never_loses_to_the_propagation_and_its_plan_is_valid(small):
 def test_every_layer_instance_runs_the_placements_the_ilp_chose_for_its_type(small):
     """The ILP solves one instance per layer type; the plan must give every instance that solution
     (not the first instance the ILP's and the rest Megatron's), since the search costed it for all."""
-    from autopar.runtime.tensor_parallel import capabilities_for, tp_placement
+    from autopar.runtime.tensor_parallel.module_rules import tp_placement
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.intra_op import solve_unit
 
     graph, facts = small
@@ -187,7 +188,7 @@ def test_a_tied_embedding_and_head_are_costed_and_planned_with_one_placement(sma
     takes one of the proposals, and the units it was priced with shard the weight (or not) alike."""
     from autopar.capabilities import RUNTIME_CAPABILITIES
     from autopar.cost_models.compute import DEFAULT_EFFICIENCY
-    from autopar.runtime.tensor_parallel import tp_placement
+    from autopar.runtime.tensor_parallel.module_rules import tp_placement
     from autopar.searcher.search import Refiner
     from autopar.searcher.tp_placements import one_each_proposal
 
@@ -217,7 +218,7 @@ def test_a_megatron_layout_the_runtime_refuses_is_never_planned():
     import torch.nn.functional as F
     from torch import nn
 
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     class Wrapped(nn.Module):
         def __init__(self, fan_in, fan_out):

@@ -1,4 +1,4 @@
-"""Tensor parallelism under bf16 autocast (runtime/tp_autocast.py) on two gloo processes: the
+"""Tensor parallelism under bf16 autocast (runtime/tensor_parallel/autocast.py) on two gloo processes: the
 gradients equal one process's under the same autocast, within bf16 rounding (the casts change where
 the partial sums are rounded, not what is summed), and every activation collective is sent in bf16."""
 
@@ -42,7 +42,7 @@ def _tp_gradients(job: dict) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from autopar.runtime.collectives import CollectiveCounter
-    from autopar.runtime.tensor_parallel import apply_tensor_parallel
+    from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel
 
     model, loss_fn = _model()
     model.load_state_dict(job["state"])

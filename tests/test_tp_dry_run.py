@@ -1,4 +1,4 @@
-"""Dry runs of planned tp placements (`runtime.tp_dry_run`, `runtime.tp_realization`): what they
+"""Dry runs of planned tp placements (`runtime.tensor_parallel.dry_run`, `runtime.tensor_parallel.realization`): what they
 decide and what they record, checked against independent derivations; refusals before anything runs."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_a_model_whose_tp_cannot_run_is_refused_before_anything_runs():
     line before any process starts; left free, it offers no tp > 1 and lists the reason."""
     from autopar.cluster import load_cluster
     from autopar.errors import AutoparError
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.search import search
 
     model = CustomKernelLM()
@@ -104,7 +104,7 @@ def test_a_model_whose_tp_cannot_run_is_refused_before_anything_runs():
 def test_multihead_attention_stays_replicated_with_a_reason():
     """DTensor cannot shard nn.MultiheadAttention per head (its forward folds heads into the batch
     dimension): the dry run finds where it fails, keeps that module replicated, shards the rest."""
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.tp_placements import planned_tp_placements
 
     model = AttentionLM()
@@ -126,7 +126,7 @@ def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts(precision,
     (`step_collectives`) and the dry run of the module rules, with and without full recompute.
     Under bf16 autocast the ledger prices every activation collective in bf16, as Megatron-LM sends
     them: the block inputs, the head's input and the embedding's partial output are sent so too
-    (runtime/tp_autocast.py), with sequence parallelism's all-gathers and reduce-scatters."""
+    (runtime/tensor_parallel/autocast.py), with sequence parallelism's all-gathers and reduce-scatters."""
     from autopar.cost_models.collectives import step_collectives
     from autopar.cost_models.placed_collectives import dry_run_ledger
     from autopar.cost_models.facts import model_facts
@@ -134,7 +134,7 @@ def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts(precision,
     from autopar.graph import trace
     from autopar.models import build_model
     from autopar.plan_schema import Strategy
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.tp_placements import planned_tp_placements
 
     spec = build_model("gpt", tiny_config())
@@ -161,7 +161,7 @@ def test_dry_run_of_the_megatron_layout_sends_what_the_graph_predicts(precision,
 
 
 def test_dry_runs_are_cached_and_every_alias_of_a_tied_weight_counts_once():
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     model = AttentionLM()
     example, _, _ = _graph(model)
@@ -176,7 +176,7 @@ def test_dry_runs_are_cached_and_every_alias_of_a_tied_weight_counts_once():
 
 def _dry_run_in_a_process_group(job: dict) -> dict:
     """In a spawned process with a live gloo group: the dry run must leave it alone (a subprocess)."""
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     model = AttentionLM()
     model.load_state_dict(job["state"])
@@ -187,7 +187,7 @@ def _dry_run_in_a_process_group(job: dict) -> dict:
 
 
 def test_with_a_live_process_group_the_dry_run_runs_in_a_subprocess():
-    from autopar.runtime.tensor_parallel import capabilities_for
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
 
     model = AttentionLM()
     placements = {"embed.weight": "S(0)", "head.weight": "S(0)", "head.bias": "S(0)"}
@@ -207,7 +207,7 @@ def test_cpu_attention_runs_on_each_ranks_heads():
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import autopar.runtime.dtensor_rules  # noqa: F401
+    import autopar.runtime.tensor_parallel.dtensor_rules  # noqa: F401
 
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 8, 16, generator=generator, requires_grad=True) for _ in range(3))
@@ -234,7 +234,7 @@ def test_cpu_attention_runs_on_each_ranks_heads():
 
 
 def test_convolution_and_restride_gaps_run_replicated():
-    """The smaller DTensor gaps `runtime.dtensor_rules` fills, on rank 0 of a (fake) tp=2 group with
+    """The smaller DTensor gaps `runtime.tensor_parallel.dtensor_rules` fills, on rank 0 of a (fake) tp=2 group with
     replicated tensors (no communication, so values are checkable): a convolution's backward whose
     input was a plain tensor (Whisper's stem), and a pooler's 1x1 average (Swin's), forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -242,7 +242,7 @@ def test_convolution_and_restride_gaps_run_replicated():
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import autopar.runtime.dtensor_rules  # noqa: F401
+    import autopar.runtime.tensor_parallel.dtensor_rules  # noqa: F401
 
     generator = torch.Generator().manual_seed(0)
     conv = nn.Conv1d(3, 4, kernel_size=3, padding=1)
@@ -299,7 +299,7 @@ class ResidualInsideBlockLM(nn.Module):
 
 
 def test_under_autocast_a_block_whose_input_feeds_a_residual_is_refused_by_name():
-    from autopar.runtime.tp_dry_run import MODULES, DryRunSpec, dry_run
+    from autopar.runtime.tensor_parallel.dry_run import MODULES, DryRunSpec, dry_run
 
     placements = (("block.down.weight", "S(1)"), ("block.up.bias", "S(0)"), ("block.up.weight", "S(0)"))
     spec = DryRunSpec(tp=2, placements=placements, realization=MODULES, microbatch=2, precision="bf16",

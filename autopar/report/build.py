@@ -71,7 +71,7 @@ def checkpoint_cost(candidate: Any, cluster: ClusterSpec, hash_bytes_per_s: floa
     if not stages:
         return None
     if hash_bytes_per_s is None:
-        from autopar.runtime.checkpoint_files import sha256_bytes_per_s
+        from autopar.runtime.checkpoint.files import sha256_bytes_per_s
 
         hash_bytes_per_s = sha256_bytes_per_s()
     params = [0] * s.pp

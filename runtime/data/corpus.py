@@ -17,8 +17,8 @@ import sysconfig
 from pathlib import Path
 
 from autopar.errors import AutoparError
-from autopar.runtime.data_prepare import (DEFAULT_SHARD_TOKENS, FORMAT_VERSION, ByteTokenizer, build_dataset, collect_files,
-                                  is_complete_dataset, stderr_progress)
+from autopar.runtime.data.prepare import (DEFAULT_SHARD_TOKENS, FORMAT_VERSION, ByteTokenizer, build_dataset, collect_files,
+                                          is_complete_dataset, stderr_progress)
 
 STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"})
 

@@ -5,11 +5,11 @@ The plan is either read from `--plan` or searched on the fly for the running wor
 torchrun rank 0 searches and broadcasts the plan (or its refusal), so all ranks run one plan and the
 dry runs and the solver run once.
 
-Data (`autopar/run_data.py`): a prepared token dataset (`--data DIR`), by default the embedded
+Data (`autopar/cli/run_data.py`): a prepared token dataset (`--data DIR`), by default the embedded
 byte-level corpus of the Python standard library for zoo models; each dp rank's `TokenLoader` reads
 only its own rows. `--data synthetic` keeps the old random-walk stream (every rank draws the whole
 batch from `--seed`). A factory model trains on batches shaped like its example input, or on its
-own `batches` hook (`autopar/run_inputs.py`).
+own `batches` hook (`autopar/cli/run_inputs.py`).
 
 Checkpoints (`--checkpoint-dir`): weights, optimizer, generators and, in `extra`, the step, the
 data position, the plan and the run's arguments. A checkpoint loads under any plan, so a job can
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.run_config import RunConfig, run_config
-from autopar.run_data import TrainingData, choose_data
-from autopar.run_plan import (
+from autopar.cli.run_config import RunConfig, run_config
+from autopar.cli.run_data import TrainingData, choose_data
+from autopar.cli.run_plan import (
     batch_text,
     load_run_plan,
     plan_global_batch,
@@ -39,7 +39,7 @@ from autopar.run_plan import (
     search_plan,
     strategy_text,
 )
-from autopar.run_profile import check_profile_outputs, train_with_profile
+from autopar.cli.run_profile import check_profile_outputs, train_with_profile
 from autopar.runtime.training_loop import Reporter, StopRequest, TrainingLoop
 
 
@@ -155,7 +155,7 @@ def _run(args: RunConfig, env: Environment) -> int:
 def _model_input(spec, seq_len: int):
     """The model's one input at batch 1 (on meta); refusals in one line before anything runs."""
     if spec.config is None:  # a user's factory: its example input and loss
-        from autopar.run_inputs import factory_input
+        from autopar.cli.run_inputs import factory_input
 
         return factory_input(spec, seq_len)
     (example,) = spec.example_inputs(1, seq_len)  # checks seq_len against the model's maximum
@@ -224,7 +224,7 @@ def _train(args, env: Environment, launch: Launch) -> int:
 def _checkpointer(args):
     if args.checkpoint_dir is None:
         return None
-    from autopar.runtime.checkpoint import Checkpointer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
     return Checkpointer(args.checkpoint_dir, keep_last=args.keep_last, async_save=args.async_checkpoint)
 
@@ -232,7 +232,7 @@ def _checkpointer(args):
 def _resume(args, env: Environment, checkpointer, parallel, optimizer, data) -> int:
     """Load the checkpoint `--resume` names (weights, optimizer, generators, data position); returns its
     step (0: starting fresh). Every refusal comes before the first step."""
-    from autopar.runtime.checkpoint import Checkpointer, CheckpointError
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer, CheckpointError
 
     if args.resume == "none":
         return 0

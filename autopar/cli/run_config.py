@@ -92,7 +92,7 @@ class RunConfig(BaseModel):
                 and not Path(self.checkpoint_dir).is_dir():
             raise AutoparError(f"--checkpoint-dir {self.checkpoint_dir} is a file: give a directory")
         if self.checkpoint_dir is not None and not self.dry_run:  # found now, not at the first save
-            from autopar.runtime.checkpoint import check_writable_directory
+            from autopar.runtime.checkpoint.checkpointer import check_writable_directory
 
             check_writable_directory(self.checkpoint_dir)
         if self.profile_steps < 0:

@@ -1,12 +1,12 @@
 """Which realization of tensor parallelism runs given placements on one model, and what it sends.
 
 Two realizations (the plan names the one it was costed with, `Plan.tp_realization`):
-- "modules": Megatron-style module rules (`runtime.tensor_parallel`): column/row-parallel
+- "modules": Megatron-style module rules (`runtime.tensor_parallel.module_rules`): column/row-parallel
   Linears and one input all-reduce per block; the faster one, and the only one with sequence
   parallelism and pipeline stages, but the model's code sees local shards;
-- "dtensor": DTensor through the model's own forward (`runtime.dtensor_tp`): runs what the
+- "dtensor": DTensor through the model's own forward (`runtime.tensor_parallel.dtensor`): runs what the
   rules refuse or what breaks on local shards (head-count reshapes, fused projections, convs).
-Each is tried by a dry run (`runtime.tp_dry_run`): the module rules first, where they accept the
+Each is tried by a dry run (`runtime.tensor_parallel.dry_run`): the module rules first, where they accept the
 placements, then DTensor. The first that runs is the realization, with the collectives its dry
 run recorded; when neither runs, the last failure is the one-line reason for the refusal.
 """
@@ -19,17 +19,42 @@ from typing import Callable
 import torch
 from torch import nn
 
-from autopar.capabilities import TpRealization
-from autopar.runtime.tp_dry_run import DTENSOR, MODULES, DryRunSpec, dry_run
+from autopar.capabilities import Capabilities, TpRealization
+from autopar.errors import AutoparError
+from autopar.runtime.tensor_parallel.dry_run import DTENSOR, MODULES, DryRunSpec, dry_run
 
 MAX_REPLICATED_MODULES = 4
+
+
+def capabilities_for(model: nn.Module, example_input=None, loss_fn=None, precision: str = "fp32") -> Capabilities:
+    """The runtime's capability table for `model`: the placement check bound to it, and what it cannot
+    run at all (so the searcher never offers it).
+
+    Given an example input (a batch of one, real or on meta, as the model's forward takes it) and
+    the training loss `loss_fn(output, input)`, tensor parallelism is decided by dry runs of the
+    planned placements (`TensorParallelRealizer`): the module rules where they run, DTensor through
+    the model's forward elsewhere, priced from what the dry run sends. Without them, only the
+    module rules are offered, as `module_rules.static_capabilities` checks them statically.
+    """
+    from autopar.runtime.tensor_parallel.module_rules import static_capabilities
+
+    table = static_capabilities(model)
+    if example_input is None:
+        return table
+    if loss_fn is None:
+        raise AutoparError("capabilities_for got an example input without loss_fn: the dry run of tensor "
+                           "parallelism runs the loss too; pass loss_fn(output, input)")
+    realizer = TensorParallelRealizer(model, example_input, loss_fn, precision)
+    # DTensor runs what the module rules refuse: the static refusal no longer binds (the rules still
+    # bound the intra-op ILP's proposals, each of which is dry-run before it is priced).
+    return dataclasses.replace(table, tensor_parallel_refusal=None, tp_realization=realizer)
 
 
 class TensorParallelRealizer:
     """`Capabilities.tp_realization` for one model: dry runs, cached by their inputs."""
 
     def __init__(self, model: nn.Module, example_input: torch.Tensor, loss_fn: Callable, precision: str = "fp32"):
-        from autopar.runtime.tensor_parallel import default_head_path
+        from autopar.runtime.tensor_parallel.module_rules import default_head_path
 
         if isinstance(example_input, (tuple, list)):
             if len(example_input) != 1:
@@ -91,7 +116,7 @@ class TensorParallelRealizer:
         return None
 
     def _realize(self, placements, tp, sp, microbatch, policy, recompute) -> TpRealization:
-        from autopar.runtime.tensor_parallel import check_tp_placements, tensor_parallel_refusal
+        from autopar.runtime.tensor_parallel.module_rules import check_tp_placements, tensor_parallel_refusal
 
         common = dict(tp=tp, placements=tuple(sorted(placements.items())), microbatch=microbatch,
                       precision=self.precision, recompute=recompute, recompute_policy=policy)

@@ -2,7 +2,7 @@
 
 The model's forward is captured once at the micro-batch shape (`model_program`), with each module
 the plan lists kept as one call, and cut into stages as the cost model cut its units
-(`stage_split`). A stage is an `fx.GraphModule` that holds the model's own module objects under
+(`runtime.pipeline.split`). A stage is an `fx.GraphModule` that holds the model's own module objects under
 their own paths (so parameter names, checkpoints and plan placements are the full model's, and
 tensor parallelism, recompute and FSDP wrap them as they wrap the whole model) and runs the
 captured code between them. Any model the capture handles can be cut, whatever nests its blocks
@@ -29,7 +29,7 @@ from autopar.plan_schema import Plan
 from autopar.runtime.init import _strip_wrappers
 from autopar.runtime.mesh import RankLayout
 from autopar.runtime.model_program import ModelProgram, capture_program
-from autopar.runtime.stage_split import ProgramSplit, StageGraph, split_program
+from autopar.runtime.pipeline.split import ProgramSplit, StageGraph, split_program
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 NON_LAYER_UNITS = ("pre", "post", "between.")

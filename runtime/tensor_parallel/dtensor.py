@@ -1,11 +1,11 @@
 """Tensor parallelism carried by DTensor through the model's own forward ("dtensor" realization).
 
-The module-rule realization (`runtime.tensor_parallel`) hands column-parallel Linears' local
+The module-rule realization (`runtime.tensor_parallel.module_rules`) hands column-parallel Linears' local
 shards to the model's code, so a forward that reshapes with its configured head count, splits a
 fused projection or runs a convolution first breaks. Here every parameter becomes a DTensor over
 the tp mesh with its planned placement (R, S(0), S(1), ...), and the model's forward runs on
 DTensors: views see global shapes, and DTensor's sharding propagation inserts the collectives
-each op needs. What those are is not derived by hand: `runtime.tp_dry_run` runs this same code
+each op needs. What those are is not derived by hand: `runtime.tensor_parallel.dry_run` runs this same code
 on fake tensors and records them, and the plan is priced from that record.
 
 Three things make an arbitrary forward run:
@@ -17,7 +17,7 @@ Three things make an arbitrary forward run:
   module boundary, once, as Megatron-LM does, rather than by every consumer);
 - the model's outputs leave as plain tensors (replicated), except logits sharded over the
   vocabulary when the loss runs under `loss_parallel`.
-CPU attention needs the handler in `runtime.dtensor_rules`.
+CPU attention needs the handler in `runtime.tensor_parallel.dtensor_rules`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.utils._pytree import tree_map_only
 
-import autopar.runtime.dtensor_rules  # noqa: F401  (registers the CPU attention handler)
+import autopar.runtime.tensor_parallel.dtensor_rules  # noqa: F401  (registers the CPU attention handler)
 from autopar.errors import AutoparError
 from autopar.plan_schema import parse_placements
 

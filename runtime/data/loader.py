@@ -10,7 +10,7 @@ Order: each epoch is a permutation of all sample ids drawn from (seed, epoch); a
 fewer than a global batch of samples remain (the tail is dropped). The loader's position is
 counted in samples, not steps or ranks, so a saved state resumes exactly under another dp degree,
 and under another global batch too (it continues at the same sample of the same permutation).
-Preparing datasets lives in `runtime.data_prepare`; its entry points are re-exported here.
+Preparing datasets lives in `runtime.data.prepare`, the default corpus in `runtime.data.corpus`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ import torch
 
 from autopar.errors import AutoparError
 from autopar.io import contained_path
-from autopar.runtime.data_corpus import default_corpus
-from autopar.runtime.data_prepare import (FORMAT, FORMAT_VERSION, INDEX_NAME, PrepareSummary, dataset_fingerprint,
-                                  prepare_tokens, stderr_progress)
+from autopar.runtime.data.prepare import FORMAT, FORMAT_VERSION, INDEX_NAME, dataset_fingerprint
 
-__all__ = ["TokenDataset", "TokenLoader", "PrepareSummary", "prepare_tokens", "default_corpus", "stderr_progress"]
+__all__ = ["TokenDataset", "TokenLoader"]
 
 STATE_FORMAT = "autopar-token-loader"
 STATE_VERSION = 1

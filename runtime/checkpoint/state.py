@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.errors import AutoparError
-from autopar.runtime.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner, read_safe_metadata
+from autopar.runtime.checkpoint.reader import SafeFileSystemReader, SafeLoadPlanner, read_safe_metadata
 
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optim."

@@ -5,7 +5,7 @@ that need no parsing. A dataset is a directory: shards `tokens-00000.bin`, ... p
 It is built in a hidden temporary directory beside the target and renamed into place at the end,
 so an interrupted or failed prepare never leaves a directory that looks like a dataset.
 
-The default corpus (the standard library's own source) is in `runtime.data_corpus`.
+The default corpus (the standard library's own source) is in `runtime.data.corpus`.
 
 Documents: a text file is one document; a JSONL line is one document (its `"text"` field). Empty
 documents are skipped. After each document the end-of-document id is appended (byte-level: 256;

@@ -3,7 +3,7 @@
 `Checkpointer(directory)` saves a `ParallelModel`'s parameters, its optimizer's state and
 hyperparameters, the caller's JSON "extra" state (step, LR scheduler, data loader, plan, config) and
 every rank's random generators with `torch.distributed.checkpoint` (DCP), under plan-independent
-names (see runtime/checkpoint_state.py): a checkpoint saved under one dp/tp/pp/ZeRO plan loads
+names (see runtime/checkpoint/state.py): a checkpoint saved under one dp/tp/pp/ZeRO plan loads
 under another, DCP resharding DTensors and plain tensors as the loading plan places them.
 
 On disk (every rank must see the same directory: one node, or a shared filesystem):
@@ -42,8 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from autopar.errors import AutoparError
-from autopar.runtime import checkpoint_state as state_io
-from autopar.runtime.checkpoint_files import (LATEST, MANIFEST, PUBLISHED_NAME, STATE_FILE, CheckpointError,
+from autopar.runtime.checkpoint import state as state_io
+from autopar.runtime.checkpoint.files import (LATEST, MANIFEST, PUBLISHED_NAME, STATE_FILE, CheckpointError,
                                               file_digests, fsync_directory, read_pointer, step_name,
                                               verify_checkpoint, write_durably)
 

@@ -38,9 +38,9 @@ def provenance_cluster(plan, world_size: int):
 
 
 def load_run_plan(path: str, spec, fixed: dict[str, Any]):
-    from autopar.plan_schema import load_plan
+    from autopar.plan_checks import load_plan_for_model
 
-    plan = load_plan(path, model=spec.module)
+    plan = load_plan_for_model(path, spec.module)
     clashes = [f"{key}={value} (the plan has {key}={getattr(plan.strategy, key)})"
                for key, value in fixed.items() if getattr(plan.strategy, key) != value]
     if clashes:
@@ -125,7 +125,7 @@ def batch_text(spec, example, global_batch: int, seq_len: int) -> str:
     """`global batch 8 x seq 16` for a zoo LM, `global batch 8 of float32[32]` for a factory's input."""
     if spec.config is not None:
         return f"global batch {global_batch} x seq {seq_len}"
-    from autopar.run_inputs import sample_text
+    from autopar.cli.run_inputs import sample_text
 
     return f"global batch {global_batch} of {sample_text(example)}"
 

@@ -1,7 +1,7 @@
 """A dry run of planned tensor-parallel placements: one rank's training step on fake tensors.
 
-Before anything runs, the planned realization of tp (the module rules of `runtime.tensor_parallel`,
-or DTensor through the model's forward, `runtime.dtensor_tp`) is applied to a copy of the model
+Before anything runs, the planned realization of tp (the module rules of `runtime.tensor_parallel.module_rules`,
+or DTensor through the model's forward, `runtime.tensor_parallel.dtensor`) is applied to a copy of the model
 whose tensors are fake (shapes and dtypes, no storage), on a fake process group of the tp size
 (no communication), and two micro-batches run forward and backward with the loss, then the
 step's gradient synchronization. It answers two questions:
@@ -16,7 +16,7 @@ recorded apart, per layer ("recompute").
 One tp rank is enough: tensor parallelism is SPMD, every tp rank sends the same collectives.
 A default process group that is live (`autopar run` under torchrun searches its plan there) is
 left alone: the dry run then runs in a subprocess. Dry runs are cached by the caller
-(`runtime.tensor_parallel.TensorParallelPlanner`).
+(`runtime.tensor_parallel.module_rules.TensorParallelPlanner`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import nn
 
 from autopar.capabilities import TpCollective
 from autopar.graph.capture import quiet_fake_tensor_logs
-from autopar.runtime.tp_autocast import checking_block_inputs
+from autopar.runtime.tensor_parallel.autocast import checking_block_inputs
 
 MODULES, DTENSOR = "modules", "dtensor"
 SUBPROCESS_TIMEOUT_S = 600
@@ -131,11 +131,11 @@ def _step(module, example_input, loss_fn, spec: DryRunSpec, mesh, fake_mode, pha
 
     placements = dict(spec.placements)
     if spec.realization == DTENSOR:
-        from autopar.runtime.dtensor_tp import apply_dtensor_tensor_parallel
+        from autopar.runtime.tensor_parallel.dtensor import apply_dtensor_tensor_parallel
 
         apply_dtensor_tensor_parallel(module, mesh, placements, spec.vocab_parallel_loss)
     else:
-        from autopar.runtime.tensor_parallel import apply_tensor_parallel
+        from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel
 
         apply_tensor_parallel(module, mesh, placements, sp=spec.sp, head_path=spec.head_path,
                               vocab_parallel_loss=spec.vocab_parallel_loss)
@@ -155,7 +155,7 @@ def _run(module, x, loss_fn, spec: DryRunSpec, phase: "_Phase") -> DryRun:
 
     context: Callable = contextlib.nullcontext
     if spec.realization == DTENSOR:
-        from autopar.runtime.dtensor_tp import step_context as context
+        from autopar.runtime.tensor_parallel.dtensor import step_context as context
     loss_context = loss_parallel if spec.vocab_parallel_loss else contextlib.nullcontext
     counter = _RecordingCounter({frozenset(range(spec.tp)): "tp"}, phase)
     per_microbatch: list[list[TpCollective]] = []
@@ -309,7 +309,7 @@ def _in_subprocess(model: nn.Module, example_input: torch.Tensor, loss_fn: Calla
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
             env.pop(key, None)
-        done = subprocess.run([sys.executable, "-m", "autopar.runtime.tp_dry_run", str(payload), str(result)],
+        done = subprocess.run([sys.executable, "-m", "autopar.runtime.tensor_parallel.dry_run", str(payload), str(result)],
                               env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
         if done.returncode != 0 or not result.exists():
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]

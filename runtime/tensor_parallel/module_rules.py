@@ -27,8 +27,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities, TpBlock, TpRules
 from autopar.errors import AutoparError
 from autopar.plan_schema import parse_placements
-from autopar.runtime.tp_autocast import (LowPrecisionInput, LowPrecisionPartialOutput, ProjectionsOnly, autocast_dtype,
-                                         block_inputs_checked)
+from autopar.runtime.tensor_parallel.autocast import (LowPrecisionInput, LowPrecisionPartialOutput, ProjectionsOnly,
+                                                      autocast_dtype, block_inputs_checked)
 
 
 def tp_placement(plan_placement: str) -> str:
@@ -43,34 +43,17 @@ def default_head_path(model: nn.Module) -> str | None:
     return linears[-1] if linears else None
 
 
-def capabilities_for(model: nn.Module, example_input=None, loss_fn=None, precision: str = "fp32") -> Capabilities:
-    """The runtime's capability table for `model`: the placement check bound to it, and what it cannot
-    run at all (so the searcher never offers it).
+def static_capabilities(model: nn.Module) -> Capabilities:
+    """The runtime's capability table for `model` as the module rules decide it, without dry runs: the
+    placement check bound to it, and what it cannot run at all (`realization.capabilities_for` adds
+    the dry runs)."""
+    from autopar.runtime.pipeline.schedule import pipeline_refusal
 
-    Given an example input (a batch of one, real or on meta, as the model's forward takes it) and
-    the training loss `loss_fn(output, input)`, tensor parallelism is decided by dry runs of the
-    planned placements (`runtime.tp_realization`): the module rules where they run, DTensor through
-    the model's forward elsewhere, priced from what the dry run sends. Without them, only the
-    module rules are offered, as checked statically here.
-    """
-    from autopar.runtime.pipeline import pipeline_refusal
-
-    table = dataclasses.replace(RUNTIME_CAPABILITIES,
-                                check_placements=lambda placements: check_tp_placements(model, placements, sp=False),
-                                tensor_parallel_refusal=tensor_parallel_refusal(model),
-                                pipeline_refusal=pipeline_refusal(model),
-                                tp_rules=tp_rules(model))
-    if example_input is None:
-        return table
-    if loss_fn is None:
-        raise AutoparError("capabilities_for got an example input without loss_fn: the dry run of tensor "
-                           "parallelism runs the loss too; pass loss_fn(output, input)")
-    from autopar.runtime.tp_realization import TensorParallelRealizer
-
-    realizer = TensorParallelRealizer(model, example_input, loss_fn, precision)
-    # DTensor runs what the module rules refuse: the static refusal no longer binds (the rules still
-    # bound the intra-op ILP's proposals, each of which is dry-run before it is priced).
-    return dataclasses.replace(table, tensor_parallel_refusal=None, tp_realization=realizer)
+    return dataclasses.replace(RUNTIME_CAPABILITIES,
+                               check_placements=lambda placements: check_tp_placements(model, placements, sp=False),
+                               tensor_parallel_refusal=tensor_parallel_refusal(model),
+                               pipeline_refusal=pipeline_refusal(model),
+                               tp_rules=tp_rules(model))
 
 
 def plan_refusal(model: nn.Module, plan) -> str | None:
@@ -79,7 +62,7 @@ def plan_refusal(model: nn.Module, plan) -> str | None:
     A plan realizing tp with DTensor was dry-run by the search for this model: the module rules'
     static refusal does not bind it, but it runs without sequence parallelism and pipeline stages."""
     s = plan.strategy
-    table = capabilities_for(model)
+    table = static_capabilities(model)
     if s.tp > 1 and plan.tp_realization == "dtensor":
         if s.sp or s.pp > 1:
             return "the dtensor realization of tensor parallelism runs without sequence parallelism and pipeline stages"
@@ -180,10 +163,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
     sees the whole sequence; stages hand on local shards instead.
 
     `realization="dtensor"` realizes the placements with DTensor through the model's forward instead
-    (`runtime.dtensor_tp`: no head, no blocks, no sp; logits sharded over the vocabulary stay so).
+    (`runtime.tensor_parallel.dtensor`: no head, no blocks, no sp; logits sharded over the vocabulary stay so).
     """
     if realization == "dtensor":
-        from autopar.runtime.dtensor_tp import apply_dtensor_tensor_parallel
+        from autopar.runtime.tensor_parallel.dtensor import apply_dtensor_tensor_parallel
 
         if sp:
             raise AutoparError("the dtensor realization of tensor parallelism runs without sequence parallelism: "
@@ -287,7 +270,7 @@ class _BlockInput(ParallelStyle):
 
     Its backward is one all-reduce (or reduce-scatter under sp) of the summed gradients of all the
     block's column-parallel projections, as in Megatron-LM; other inputs (rope tables, masks) pass as they are.
-    Under autocast it is cast to the low precision first (runtime/tp_autocast.py), and only the block's
+    Under autocast it is cast to the low precision first (runtime/tensor_parallel/autocast.py), and only the block's
     linear projections may read it.
     """
 

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata, _MEM_FORMAT_ENCODING)
 
 from autopar.errors import AutoparError
-from autopar.runtime.checkpoint_files import CheckpointError
+from autopar.runtime.checkpoint.files import CheckpointError
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED_GLOBALS: dict[tuple[str, str], object] = {

@@ -2,7 +2,7 @@
 
 `--data synthetic` keeps a random-walk stream (every rank draws the whole batch from `--seed`), for
 tests that need a stream independent of any dataset. A user's factory model trains on batches shaped
-like its example input (`autopar/run_inputs.py`), on its own `batches(global_batch, step)`, or on a
+like its example input (`autopar/cli/run_inputs.py`), on its own `batches(global_batch, step)`, or on a
 token dataset when it is a language model.
 """
 
@@ -69,7 +69,8 @@ class SyntheticTokens:
 def open_data(data: str | None, vocab: int, seq_len: int, global_batch: int):
     """The dataset to train on (None: the synthetic stream), checked against the model before any
     process group or step, so every rank refuses bad data with the same line."""
-    from autopar.runtime.data import TokenDataset, default_corpus
+    from autopar.runtime.data.corpus import default_corpus
+    from autopar.runtime.data.loader import TokenDataset
 
     if data == SYNTHETIC:
         return None
@@ -110,7 +111,7 @@ def choose_data(data: str | None, spec, example, seq_len: int, global_batch: int
         return _token_data(data, spec.config.vocab, seq_len, global_batch, seed)
     import torch
 
-    from autopar.run_inputs import (
+    from autopar.cli.run_inputs import (
         FactoryBatches,
         SyntheticInputs,
         check_drawable,
@@ -152,7 +153,7 @@ def _token_data(data: str | None, vocab: int, seq_len: int, global_batch: int, s
                              f"seed {seed})")
 
     def loader(parallel):
-        from autopar.runtime.data import TokenLoader
+        from autopar.runtime.data.loader import TokenLoader
 
         return TokenLoader(dataset, seq_len, global_batch, dp_rank=parallel.layout.dp_rank,
                            dp_size=parallel.layout.size("dp"), seed=seed, device=parallel.layout.device)

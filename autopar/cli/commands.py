@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Sequence
 
+from autopar.cli.arguments import POSITIVE
 from autopar.errors import AutoparError
 
 
@@ -21,27 +22,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise AutoparError(f"{message} (see `{self.prog} --help`)")
-
-
-def whole_number(minimum: int):
-    """An argparse type: a whole number of at least `minimum` (a size or count of 0 or less is refused
-    here rather than read as "the default" or met later as a torch error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"whole number ≥ {minimum}"
-    return parse
-
-
-POSITIVE = whole_number(1)
-NON_NEGATIVE = whole_number(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(handler=_inspect)
 
     from autopar.profiler.cli import add_profile_command
-    from autopar.data_cli import add_data_command
+    from autopar.cli.data import add_data_command
 
     add_profile_command(commands)
     add_data_command(commands)
@@ -92,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run", help="train a model under a plan (--plan, or searched for this launch) on a token dataset")
-    from autopar.run_config import add_run_arguments
+    from autopar.cli.run_config import add_run_arguments
 
     add_run_arguments(run)
     run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
@@ -132,7 +112,7 @@ def _check_outputs(outputs: dict[str, str | None]) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     import autopar
-    from autopar.inspect import cluster_fit, render, summarize
+    from autopar.cli.inspect import cluster_fit, render, summarize
     from autopar.io import write_all
     from autopar.models import build_model
 
@@ -208,7 +188,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from autopar.run import run_command
+    from autopar.cli.run import run_command
 
     return run_command(args)
 

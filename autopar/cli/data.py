@@ -15,7 +15,7 @@ from autopar.errors import AutoparError
 
 def add_data_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `data prepare` and `data info` on autopar's subcommands."""
-    from autopar.cli import POSITIVE
+    from autopar.cli.arguments import POSITIVE
 
     data = subparsers.add_parser("data", help="prepare token datasets for `autopar run` and describe them")
     data.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
@@ -57,7 +57,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     if args.eos_token is not None and args.tokenizer is None:
         raise AutoparError("--eos-token names a token of a --tokenizer; the byte-level default has its own "
                            "end-of-document id (256): give --tokenizer too, or drop --eos-token")
-    from autopar.runtime.data_prepare import DEFAULT_SHARD_TOKENS, prepare_tokens, stderr_progress
+    from autopar.runtime.data.prepare import DEFAULT_SHARD_TOKENS, prepare_tokens, stderr_progress
 
     print(f"preparing {', '.join(args.input)} -> {args.out} ...", file=sys.stderr, flush=True)
     summary = prepare_tokens(args.input, args.out, tokenizer=args.tokenizer, progress=stderr_progress(),
@@ -71,7 +71,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from autopar.runtime.data import TokenDataset
+    from autopar.runtime.data.loader import TokenDataset
 
     dataset = TokenDataset(args.path)
     if args.verify:

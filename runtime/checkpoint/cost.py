@@ -1,6 +1,6 @@
 """What a checkpoint of the running plan should cost, for `autopar run` to print beside what it costs.
 
-Gathers every rank's expected share of the checkpoint (runtime/checkpoint_state.py), measures
+Gathers every rank's expected share of the checkpoint (runtime/checkpoint/state.py), measures
 this machine's sha256 rate, and prices the save and the checkpoint interval with the pure
 functions of cost_models/checkpoint.py.
 """
@@ -47,8 +47,8 @@ def predict_save(parallel, optimizer, cluster_spec: str | None) -> SavePredictio
     cluster to take the storage bandwidth from (a --plan run given no --cluster)."""
     from autopar.cluster import load_cluster
     from autopar.errors import AutoparError
-    from autopar.runtime.checkpoint_files import sha256_bytes_per_s
-    from autopar.runtime.checkpoint_state import expected_write_bytes
+    from autopar.runtime.checkpoint.files import sha256_bytes_per_s
+    from autopar.runtime.checkpoint.state import expected_write_bytes
 
     if not cluster_spec:  # the same on every rank, so no rank waits in the gather below
         return None
