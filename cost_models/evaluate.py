@@ -30,7 +30,8 @@ from autopar.cost_models.context import exchange_buffer_bytes, rank_batch, repli
 from autopar.cost_models.experts import dispatch_buffer_bytes, replica_layout
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.implementation import as_run
-from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, device_memory,
+from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, activation_scale,
+                                        device_memory,
                                         planning_capacity_bytes, state_bytes_per_param)
 from autopar.cost_models.offload import OffloadCost, host_capacity_bytes, node_host_bytes, offload_cost
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
@@ -69,6 +70,8 @@ class Evaluation:
     # may place there (`cost_models.offload`); 0 without offload.
     host_memory_bytes: float = 0.0
     host_capacity_bytes: float = 0.0
+    # Device bytes per traced activation byte (`memory.activation_scale`): what recompute counts save.
+    activation_scale: float = 1 + FRAGMENTATION_MARGIN
 
     @property
     def fits_host(self) -> bool:
@@ -238,8 +241,7 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             params_on_device=rank_params[rank], largest_unit_params=prices.rank_largest_unit_params[rank],
             precision=pricing.facts.precision, zero=s.zero, dp=replicas(s),
             activation_bytes=pipe.peak_in_flight[rank]
-            + max(prices.stages[i].transient_bytes for i in stage_indices)
-            + (loss_gradient_bytes(pricing.facts, s) if len(prices.stages) - 1 in stage_indices else 0.0),
+            + max(prices.stages[i].transient_bytes for i in stage_indices),
             optimizer_state=s.optimizer_state, offload=s.offload,
             dispatch_bytes=dispatch_buffer_bytes(pricing.facts.experts, [u.name for i in stage_indices
                                                                           for u in stages_units[i]], s.microbatch)
@@ -250,6 +252,7 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
                                                                             for u in stages_units[i]], s)
             if s.cp > 1 else 0.0,
             num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl,
+            loss_bytes=loss_gradient_bytes(pricing.facts, s) if len(prices.stages) - 1 in stage_indices else 0.0,
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )
@@ -304,6 +307,7 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
         host_capacity = host_capacity_bytes(pricing.cluster)
     return Evaluation(
         strategy=s, global_batch=global_batch, seq_len=facts.seq_len, step_time_s=step_time,
+        activation_scale=activation_scale(facts.precision, s.zero, s.offload, s.optimizer_state),
         tokens_per_s=tokens / step_time, tflops_per_gpu=tflops_per_gpu,
         mfu=tflops_per_gpu * 1e12 / gpu.peak_flops_per_s(facts.precision),
         fits=all(m.total_bytes <= capacity for m in memory) and host_bytes <= host_capacity,
@@ -338,7 +342,7 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
         strategy=s, stages=stages, total_bytes=[m.total_bytes for m in evaluation.memory],
         activation_bytes=[m.activations for m in evaluation.memory],
         stage_activation_bytes=[c.activation_bytes for c in evaluation.stages],
-        margin_ratio=1 + FRAGMENTATION_MARGIN, capacity_bytes=evaluation.capacity_bytes,
+        margin_ratio=evaluation.activation_scale, capacity_bytes=evaluation.capacity_bytes,
         keeps_bytes=keeps, transient_bytes=transient)
     layers = [sum(1 for u in units if u.layer_type is not None) for units in stages]
     for _ in range(4):

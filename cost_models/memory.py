@@ -107,6 +107,7 @@ def device_memory(
     exchange_bytes: float = 0.0,
     num_microbatches: int = 1,
     optimizer_impl: str = "fused",
+    loss_bytes: float = 0.0,
 ) -> MemoryBreakdown:
     """`offload="optimizer"` (FSDP2's CPUOffloadPolicy): every sharded state lives in host memory
     (`cost_models.offload`): the optimizer states (fp32 master weights and moments) always, the
@@ -131,12 +132,24 @@ def device_memory(
         buffers = 0.0
     buffers += dispatch_bytes  # ep: one MoE all-to-all's send and receive buffers
     buffers += exchange_bytes  # cp: the attention exchange's blocks in flight (`cost_models.context`)
-    if precision != "fp32" and zero == 0 and offload == "none" and optimizer_state == "fp32":
+    buffers += loss_bytes  # the last stage: the cross entropy's gradients at the head (`evaluate.loss_gradient_bytes`)
+    if autocast_states(precision, zero, offload, optimizer_state):
         return _autocast_peak(params_on_device, activation_bytes, buffers, num_microbatches, optimizer_impl)
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
         buffers=buffers, margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers),
     )
+
+
+def autocast_states(precision: str, zero: int, offload: str, optimizer_state: str) -> bool:
+    """Whether the runtime holds this plan's states as autocast over fp32 weights (`_autocast_peak`)."""
+    return precision != "fp32" and zero == 0 and offload == "none" and optimizer_state == "fp32"
+
+
+def activation_scale(precision: str, zero: int, offload: str, optimizer_state: str) -> float:
+    """Device bytes per byte of traced activations: the allocator margin, and autocast's extra."""
+    extra = AUTOCAST_ACTIVATION_FACTOR if autocast_states(precision, zero, offload, optimizer_state) else 1.0
+    return extra * (1 + FRAGMENTATION_MARGIN)
 
 
 def _autocast_peak(params: float, activation_bytes: float, buffers: float, num_microbatches: int,
@@ -151,11 +164,13 @@ def _autocast_peak(params: float, activation_bytes: float, buffers: float, num_m
       (`cost_models.optimizer`: 4 B for foreach).
     The larger is the peak (per parameter: 14 or 18 B beside the activations, or 16 B + temporaries).
     Activations are the graph's, traced in the compute precision; under autocast the residual stream
-    stays fp32 and each linear casts its input apart, so they hold more (`AUTOCAST_ACTIVATION_FACTOR`)."""
-    activation_bytes *= AUTOCAST_ACTIVATION_FACTOR
+    stays fp32 and each linear casts its input apart, so they hold more (`AUTOCAST_ACTIVATION_FACTOR`).
+    The extra is counted in the margin, beside fragmentation, so the activations stay the graph's and
+    `activation_scale` is the one ratio from them to the peak (what recompute counts save)."""
+    scale = activation_scale("bf16", 0, "none", "fp32")
     backward = MemoryBreakdown(parameters=6 * params, gradients=4 * params if num_microbatches > 1 else 0.0,
                                optimizer_states=8 * params, activations=activation_bytes, buffers=buffers,
-                               margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers))
+                               margin=(scale - 1) * activation_bytes + FRAGMENTATION_MARGIN * buffers)
     step = MemoryBreakdown(parameters=4 * params, gradients=4 * params,
                            optimizer_states=(8 + temporary_bytes_per_param(optimizer_impl)) * params,
                            activations=0.0, buffers=buffers, margin=FRAGMENTATION_MARGIN * buffers)

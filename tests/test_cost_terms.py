@@ -217,7 +217,9 @@ def test_zero3_fetch_per_parameter_pays_each_tensors_gather_and_holds_one_tensor
 def test_bf16_optimizer_state_holds_eight_bytes_per_parameter(plain):
     assert state_bytes_per_param("bf16", "bf16").optimizer == 8
     assert state_bytes_per_param("bf16").optimizer == 12
-    s = Strategy(dp=8, tp=1, pp=1, microbatch=1, num_microbatches=2)
+    # ZeRO 1: Megatron-style states (bf16 weights beside fp32 masters); without ZeRO the runtime's
+    # autocast over fp32 weights holds no separate master (`memory._autocast_peak`)
+    s = Strategy(dp=8, tp=1, pp=1, zero=1, microbatch=1, num_microbatches=2)
     fp32 = evaluate(plain, H100, s, 16).memory[0]
     bf16 = evaluate(plain, H100, s.model_copy(update={"optimizer_state": "bf16"}), 16).memory[0]
     assert bf16.optimizer_states == pytest.approx(fp32.optimizer_states * 8 / 12)

@@ -117,6 +117,8 @@ def _run(args: RunConfig, env: Environment) -> int:
     args.check()
     check_profile_outputs(args)
     fixed = parse_strategy(args.strategy)
+    if args.compile and args.plan is None:
+        fixed.setdefault("compile", True)  # searched and priced with compile (the strategy's `compile` key)
     cluster = planning_cluster(args.cluster, env.world_size) if args.cluster else None
     if args.plan is None and cluster is None:
         raise AutoparError("give --plan PATH, or --cluster (e.g. --cluster local) to search a plan for this run")
@@ -181,9 +183,9 @@ def _train(args, env: Environment, launch: Launch) -> int:
     data = checkpointer = None
     try:
         parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=args.seed, precision=precision,
-                               compile=args.compile)
+                               compile=args.compile or plan.strategy.compile)
         device = parallel.layout.device
-        optimizer = torch.optim.AdamW(parallel.parameters(), lr=args.lr)
+        optimizer = parallel.build_optimizer(args.lr)
         data = launch.data.open(parallel)
         checkpointer = _checkpointer(args)
         first_step = _resume(args, env, checkpointer, parallel, optimizer, data) + 1
@@ -202,6 +204,10 @@ def _train(args, env: Environment, launch: Launch) -> int:
                   f"data: {launch.data.describe()}", flush=True)
             if peak:
                 print(_mfu_basis_text(launch.cluster, precision, device.type, nominal), flush=True)
+            print("runtime: " + "; ".join(f"{k} {v}" for k, v in parallel.optimizations.items()), flush=True)
+            if args.compile and not plan.strategy.compile:
+                print("note: the plan was priced without compile; `autopar plan --strategy compile=true` prices it",
+                      flush=True)
         loop = TrainingLoop(args, env, parallel, optimizer, data, checkpointer, plan,
                             launch.global_batch * launch.data.tokens_per_sample, launch.data.name)
         reporter = Reporter(args, env.rank, first_step)

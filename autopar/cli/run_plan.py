@@ -118,6 +118,8 @@ def strategy_text(s) -> str:
         text += f" ep={s.ep}"
     if s.cp > 1:
         text += f" cp={s.cp} cp_kind={s.cp_kind}"
+    if s.compile:
+        text += " compile=true"
     return text
 
 
