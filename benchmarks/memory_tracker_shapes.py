@@ -24,6 +24,7 @@ import time
 import torch
 
 import autopar
+from autopar.cost_models.memory import activation_factor, storage_bytes
 from autopar.models import build_model
 from autopar.profiler.memory_tracker import _clip_grad_norm, recompute_paths, tracked_step_memory
 from autopar.runtime.recompute import apply_recompute
@@ -70,17 +71,19 @@ def label(row) -> str:
 
 
 def predicted(row, cluster) -> dict:
-    model, config, seq, mb, nmb, precision, recompute, _ = row
+    model, config, seq, mb, nmb, precision, recompute, optimizer = row
     spec = build_model(model, config)
     result = autopar.plan(spec.module, spec.example_inputs(1, seq), cluster=cluster, global_batch=mb * nmb,
                           loss_fn=spec.loss_fn, precision=precision, name=model, seq_len=seq,
-                          strategy=f"dp=1,tp=1,pp=1,zero=0,recompute={recompute},microbatch={mb}")
+                          strategy=f"dp=1,tp=1,pp=1,zero=0,recompute={recompute},microbatch={mb},"
+                                   f"optimizer_impl={optimizer}" + (",recompute_layers=all" if recompute != "none" else ""))
     memory = result.prediction.memory[0]
     parts = {k: int(v) for k, v in memory.as_dict().items()}
     modules = result.plan.recompute_modules if result.plan is not None else None
     if recompute != "none" and modules is not None and modules != recompute_paths(spec.module):
         print(f"  note: the plan recomputes {modules}, the tracker {recompute_paths(spec.module)}", file=sys.stderr)
-    return {"parts": parts, "without_margin": sum(v for k, v in parts.items() if k != "margin"),
+    storage = storage_bytes(memory, activation_factor(precision, 0, "none", "fp32"))  # as MemTracker counts
+    return {"parts": parts, "without_margin": int(storage),
             "plan_peak": int(result.prediction.peak_memory_bytes), "fits": result.fits}
 
 

@@ -252,7 +252,10 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
                                                                             for u in stages_units[i]], s)
             if s.cp > 1 else 0.0,
             num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl,
-            loss_bytes=loss_gradient_bytes(pricing.facts, s) if len(prices.stages) - 1 in stage_indices else 0.0,
+            # the loss's gradients live before the first recomputed layer's transient: the larger counts
+            loss_bytes=max(0.0, loss_gradient_bytes(pricing.facts, s)
+                           - max(prices.stages[i].transient_bytes for i in stage_indices))
+            if len(prices.stages) - 1 in stage_indices else 0.0,
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )

@@ -42,6 +42,13 @@ FRAGMENTATION_MARGIN = 0.05
 # (`benchmarks/memory_tracker_shapes.py`): 40 against 32 bytes per token and hidden unit per layer on
 # the zoo GPT, 59 against 56 on the zoo Llama; the GPT's ratio, the larger, is taken.
 AUTOCAST_ACTIVATION_FACTOR = 40 / 32
+# The caching allocator's reserve beyond what tensors hold, without ZeRO (the runtime's one-GPU and dp
+# plans): fitted on the shared H100 rows (../shared/gpu/h100-2026-11-26.json, the dev split) as the
+# smallest fraction of the churned bytes (activations, transients, the loss's buffers) at which no
+# row's max_memory_reserved is above the prediction by more than 2%: 0.20 (full recompute, which
+# allocates and frees a layer's activations per layer, sets it; 0.05 left it 7.1% under). Held out
+# (benchmarks/gpu_runs/, 2fef514): the full-recompute row still 6.3% under, the others over.
+UNSHARDED_FRAGMENTATION_MARGIN = 0.20
 RESERVED_BYTES = 2 * 2**30
 
 
@@ -132,9 +139,10 @@ def device_memory(
         buffers = 0.0
     buffers += dispatch_bytes  # ep: one MoE all-to-all's send and receive buffers
     buffers += exchange_bytes  # cp: the attention exchange's blocks in flight (`cost_models.context`)
+    if zero == 0 and offload == "none" and optimizer_state == "fp32" and not expert_params:
+        return _unsharded_peak(params_on_device, activation_bytes, buffers, loss_bytes, num_microbatches,
+                               optimizer_impl, autocast_states(precision, zero, offload, optimizer_state))
     buffers += loss_bytes  # the last stage: the cross entropy's gradients at the head (`evaluate.loss_gradient_bytes`)
-    if autocast_states(precision, zero, offload, optimizer_state):
-        return _autocast_peak(params_on_device, activation_bytes, buffers, num_microbatches, optimizer_impl)
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
         buffers=buffers, margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers),
@@ -146,20 +154,41 @@ def autocast_states(precision: str, zero: int, offload: str, optimizer_state: st
     return precision != "fp32" and zero == 0 and offload == "none" and optimizer_state == "fp32"
 
 
+def unsharded_states(zero: int, offload: str, optimizer_state: str) -> bool:
+    """Whether the runtime holds this plan's states whole, in fp32 (`_unsharded_peak`)."""
+    return zero == 0 and offload == "none" and optimizer_state == "fp32"
+
+
+def activation_factor(precision: str, zero: int, offload: str, optimizer_state: str) -> float:
+    """Stored bytes per byte of traced activations: autocast's extra, where it runs."""
+    return AUTOCAST_ACTIVATION_FACTOR if autocast_states(precision, zero, offload, optimizer_state) else 1.0
+
+
+def fragmentation(zero: int, offload: str, optimizer_state: str) -> float:
+    return UNSHARDED_FRAGMENTATION_MARGIN if unsharded_states(zero, offload, optimizer_state) else FRAGMENTATION_MARGIN
+
+
 def activation_scale(precision: str, zero: int, offload: str, optimizer_state: str) -> float:
-    """Device bytes per byte of traced activations: the allocator margin, and autocast's extra."""
-    extra = AUTOCAST_ACTIVATION_FACTOR if autocast_states(precision, zero, offload, optimizer_state) else 1.0
-    return extra * (1 + FRAGMENTATION_MARGIN)
+    """Device bytes per byte of traced activations: autocast's extra and the allocator's margin."""
+    return (activation_factor(precision, zero, offload, optimizer_state)
+            * (1 + fragmentation(zero, offload, optimizer_state)))
 
 
-def _autocast_peak(params: float, activation_bytes: float, buffers: float, num_microbatches: int,
-                   optimizer_impl: str) -> MemoryBreakdown:
-    """Mixed precision as the runtime runs it without ZeRO: autocast over fp32 parameters. Measured
+def storage_bytes(memory: MemoryBreakdown, factor: float) -> float:
+    """A peak less the allocator's margin: tensor storage alone, what torch's MemTracker counts.
+    `factor`: `activation_factor` of the plan (autocast's extra stays in)."""
+    return (memory.parameters + memory.gradients + memory.optimizer_states + memory.buffers
+            + memory.activations * factor)
+
+
+def _unsharded_peak(params: float, activation_bytes: float, buffers: float, loss_bytes: float,
+                    num_microbatches: int, optimizer_impl: str, autocast: bool) -> MemoryBreakdown:
+    """Without ZeRO the runtime holds fp32 weights, and mixed precision is autocast over them. Measured
     with torch's MemTracker on fake tensors (`profiler/memory_tracker.py`, within ~1% of an H100's
     max_memory_allocated on GPT-1.3B), the step has two peaks:
-    - backward, at the head of the last micro-batch: fp32 weights (4 B) and their bf16 autocast copies
-      (2 B, from the forward to each linear's backward), the moments (8 B), fp32 gradients (4 B) only
-      when earlier micro-batches accumulated them, and the activations;
+    - backward, at the head of the last micro-batch: fp32 weights (4 B) and, under autocast, their
+      bf16 copies (2 B, from the forward to each linear's backward), the moments (8 B), fp32 gradients
+      (4 B) only when earlier micro-batches accumulated them, the activations and the loss's gradients;
     - the optimizer step: weights, gradients and moments (16 B) and the implementation's temporaries
       (`cost_models.optimizer`: 4 B for foreach).
     The larger is the peak (per parameter: 14 or 18 B beside the activations, or 16 B + temporaries).
@@ -167,13 +196,15 @@ def _autocast_peak(params: float, activation_bytes: float, buffers: float, num_m
     stays fp32 and each linear casts its input apart, so they hold more (`AUTOCAST_ACTIVATION_FACTOR`).
     The extra is counted in the margin, beside fragmentation, so the activations stay the graph's and
     `activation_scale` is the one ratio from them to the peak (what recompute counts save)."""
-    scale = activation_scale("bf16", 0, "none", "fp32")
-    backward = MemoryBreakdown(parameters=6 * params, gradients=4 * params if num_microbatches > 1 else 0.0,
-                               optimizer_states=8 * params, activations=activation_bytes, buffers=buffers,
-                               margin=(scale - 1) * activation_bytes + FRAGMENTATION_MARGIN * buffers)
+    scale = activation_scale("bf16" if autocast else "fp32", 0, "none", "fp32")
+    margin = UNSHARDED_FRAGMENTATION_MARGIN
+    backward = MemoryBreakdown(parameters=(6 if autocast else 4) * params,
+                               gradients=4 * params if num_microbatches > 1 else 0.0, optimizer_states=8 * params,
+                               activations=activation_bytes, buffers=buffers + loss_bytes,
+                               margin=(scale - 1) * activation_bytes + margin * (buffers + loss_bytes))
     step = MemoryBreakdown(parameters=4 * params, gradients=4 * params,
                            optimizer_states=(8 + temporary_bytes_per_param(optimizer_impl)) * params,
-                           activations=0.0, buffers=buffers, margin=FRAGMENTATION_MARGIN * buffers)
+                           activations=0.0, buffers=buffers, margin=margin * buffers)
     return max(backward, step, key=lambda part: part.total_bytes)
 
 

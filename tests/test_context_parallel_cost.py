@@ -16,7 +16,7 @@ from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import op_time_s
 from autopar.cost_models.context import (AttentionLayer, context_parallel_refusal, exchange_buffer_bytes,
                                          ring_exposed_s)
-from autopar.cost_models.evaluate import evaluate, partition
+from autopar.cost_models.evaluate import evaluate, loss_gradient_bytes, partition
 from autopar.cost_models.strategy import check_fixed_degrees, check_strategy, parse_strategy
 from autopar.errors import AutoparError
 from autopar.plan_schema import Plan, Strategy
@@ -191,7 +191,13 @@ def test_activations_divide_by_cp_and_the_ring_adds_its_blocks(llama):
     whole, split = evaluate(facts, cluster, _strategy(dp=4), 24), evaluate(facts, cluster, _strategy(cp=4), 6)
     assert split.memory[0].activations == pytest.approx(whole.memory[0].activations / 4)
     ring_blocks = 8 * _block(_strategy(cp=4), G)  # K, V, dK, dV in use and four arriving
-    assert split.memory[0].buffers - whole.memory[0].buffers == pytest.approx(ring_blocks)
+
+    def loss_buffer(evaluation):  # the cross entropy's gradients at the head, a rank's 1/cp of the positions
+        transient = max(stage.transient_bytes for stage in evaluation.stages)
+        return max(0.0, loss_gradient_bytes(facts, evaluation.strategy) - transient)
+
+    assert split.memory[0].buffers - whole.memory[0].buffers == pytest.approx(
+        ring_blocks + loss_buffer(split) - loss_buffer(whole))
     assert exchange_buffer_bytes(facts.attention, [u.name for u in facts.units], _strategy(cp=4)) == ring_blocks
     sharded = evaluate(facts, cluster, _strategy(cp=4, zero=3), 6).memory[0]
     plain = evaluate(facts, cluster, _strategy(dp=4, zero=3), 24).memory[0]

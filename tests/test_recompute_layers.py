@@ -145,8 +145,10 @@ def test_recompute_layers_in_strategy_text_and_rules():
     (dict(), 1e-9), (dict(recompute="selective"), 1e-9), (dict(schedule="gpipe", num_microbatches=8), 1e-9),
     # interleaved: a rank's chunks hold different numbers of micro-batches over time, so the linear
     # memory estimate is close, not exact, and which chunk recomputes moves the critical path (more
-    # so since issue #18's fixed per-layer overhead makes a recomputed layer's pass weigh more: 2%)
-    (dict(pp=2, dp=4, num_microbatches=4, schedule="interleaved", vp=2), 2e-2)])
+    # so since issue #18's fixed per-layer overhead makes a recomputed layer's pass weigh more; issue
+    # #29's allocator margin without ZeRO, 0.20 of the churned bytes, scales the estimate's error: 2.6%
+    # measured, 3% allowed)
+    (dict(pp=2, dp=4, num_microbatches=4, schedule="interleaved", vp=2), 3e-2)])
 def test_fitted_counts_are_the_fastest_of_every_count_vector(traced, changes, tolerance):
     """Brute force over every per-stage count vector: none that fits is faster than the fitted one
     (1F1B and GPipe); within `tolerance` of the fastest (interleaved)."""
