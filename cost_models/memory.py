@@ -139,7 +139,7 @@ def device_memory(
         buffers = 0.0
     buffers += dispatch_bytes  # ep: one MoE all-to-all's send and receive buffers
     buffers += exchange_bytes  # cp: the attention exchange's blocks in flight (`cost_models.context`)
-    if zero == 0 and offload == "none" and optimizer_state == "fp32" and not expert_params:
+    if unsharded_states(zero, offload, optimizer_state):
         return _unsharded_peak(params_on_device, activation_bytes, buffers, loss_bytes, num_microbatches,
                                optimizer_impl, autocast_states(precision, zero, offload, optimizer_state))
     buffers += loss_bytes  # the last stage: the cross entropy's gradients at the head (`evaluate.loss_gradient_bytes`)

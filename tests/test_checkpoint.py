@@ -519,7 +519,7 @@ def test_checkpoint_of_another_model_is_refused_in_one_line(world_of_one, tmp_pa
     manifest_path = tmp_path / "step-00000001" / "manifest.json"  # no fingerprint: names and shapes decide
     manifest = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**manifest, "model_fingerprint": None}))
-    with pytest.raises(AutoparError, match=r"with shape \(96, 32\), this model's is \(96, 48\)"):
+    with pytest.raises(AutoparError, match=r"with shape \(128, 32\), this model's is \(128, 48\)"):
         checkpointer.load("latest", other, other_optimizer)
     with pytest.raises(AutoparError, match="holds SGD state, this optimizer is AdamW"):
         checkpointer.load("latest", parallel, torch.optim.AdamW(parallel.parameters()))

@@ -97,10 +97,11 @@ def test_ep_shards_expert_states_and_prices_the_all_to_alls(small):
     cluster = autopar.load_cluster("dgx-h100", gpus=2)
     dense, sharded = evaluate(facts, cluster, _strategy(), 8), evaluate(facts, cluster, _strategy(ep=2), 8)
     expert_elements = sum(x.expert_params for x in facts.experts)
-    # bf16 weights (2 bytes), gradients (2) and 12 bytes of fp32 master weights and Adam moments: half the experts
-    assert dense.memory[0].parameters - sharded.memory[0].parameters == pytest.approx(expert_elements / 2 * 2)
+    # without ZeRO, fp32 weights with their bf16 autocast copies (4 + 2 bytes) and two fp32 Adam moments
+    # (8; `memory._unsharded_peak`): half the experts
+    assert dense.memory[0].parameters - sharded.memory[0].parameters == pytest.approx(expert_elements / 2 * 6)
     assert dense.memory[0].optimizer_states - sharded.memory[0].optimizer_states == pytest.approx(
-        expert_elements / 2 * 12)
+        expert_elements / 2 * 8)
     dispatch = 2 * E * CAPACITY * HIDDEN * 2  # one all-to-all's buffer for a micro-batch of 2
     assert sharded.memory[0].buffers - dense.memory[0].buffers == pytest.approx(2 * dispatch)
     one = LOAD_IMBALANCE * collective_time_s("all_to_all", dispatch, group_layout(2, 1, 8), cluster)
@@ -152,8 +153,11 @@ def test_zero_shards_expert_states_over_their_replicas(small):
             assert dense.parameters - sharded.parameters == pytest.approx(experts / 2 * 2)  # bf16 weights
     zero0 = evaluate(facts, cluster, _strategy(dp=4, ep=2), 8).memory[0]
     zero3 = evaluate(facts, cluster, _strategy(dp=4, ep=2, zero=3), 8).memory[0]
+    dense = sum(u.params for u in facts.units) - experts
+    # ZeRO 0: the rank's fp32 Adam moments (8 bytes; its fp32 weights are the masters), of the dense
+    # weights and half the experts; ZeRO 3: 12 bytes sharded, dense over dp = 4, experts over their 2 replicas
     assert zero0.optimizer_states - zero3.optimizer_states == pytest.approx(
-        (sum(u.params for u in facts.units) - experts) * 12 * 3 / 4 + experts / 2 * 12 / 2)
+        (dense + experts / 2) * 8 - (dense * 12 / 4 + experts / 2 * 12 / 2))
 
 
 def test_zero3_prices_expert_gathers_on_the_replicas_layout(small):
