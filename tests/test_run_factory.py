@@ -108,6 +108,7 @@ def test_torchrun_pipeline_parallel_factory_model_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow  # ~60 s: the tp=2 search dry-runs DTensor placements, then a torchrun launch
+@pytest.mark.xfail(strict=True, reason='known bug, failing at a7ddb44 too (the first full CI run, issue #28): the tp=2 search leaves every weight of the HF GPT-2 factory replicated (RR), so the parity below would be trivial')
 def test_torchrun_tensor_parallel_hf_gpt2_factory_matches_one_process(tmp_path):
     """The README's example factory (a Hugging Face GPT-2 from a config) under a tp=2 plan that shards
     its weights (DTensor through HF's forward), given with --plan."""
