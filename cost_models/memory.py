@@ -6,13 +6,13 @@ Adam holds a 2-byte weight, a 2-byte gradient and 12 bytes of fp32 master weight
 fp32 training holds 4 + 4 + 8. ZeRO-1 shards the optimizer states over dp, ZeRO-2 also the
 gradients, ZeRO-3 also the weights.
 
-What this model gets wrong, by what we can see without a GPU (issue #18; validation pending):
+What this model gets wrong (issue #18; issue #29 checked the unsharded case on an H100 and against
+torch's MemTracker, `_unsharded_peak`):
 - Sequence length: activations are the traced graph's saved tensors, linear in s with fused
   attention (s² with `attention=math`), which matches Korthikanti et al. 2022 (32·s·h per layer and
   sample at tp=1, 4·s·h with tp=8 and sp, vs their 34 and 4.25 with dropout masks). Missing: the
-  backward's transient gradient buffers (a few b·s·h per layer, and at the head the fp32 logits'
-  gradient, b·s·V·4/tp, beside the saved log-probabilities), so long-sequence, large-vocabulary
-  last stages are under-predicted by up to about one micro-batch's logits.
+  backward's transient gradient buffers of a few b·s·h per layer (the head's, two fp32 logits-sized
+  gradients, are counted on the last stage: `evaluate.loss_gradient_bytes`).
 - Tensor parallelism: the head's logits are counted vocabulary-parallel (divided by tp) on every
   stage, as Megatron-LM runs them; autopar's runtime gathers them on a pipeline's last stage, so
   its pp > 1, tp > 1 last stage is under-predicted by (tp−1)/tp of the logits. Without sp, the
@@ -150,8 +150,8 @@ def device_memory(
 
 
 def autocast_states(precision: str, zero: int, offload: str, optimizer_state: str) -> bool:
-    """Whether the runtime holds this plan's states as autocast over fp32 weights (`_autocast_peak`)."""
-    return precision != "fp32" and zero == 0 and offload == "none" and optimizer_state == "fp32"
+    """Whether the runtime runs this plan as autocast over whole fp32 weights (`_unsharded_peak`)."""
+    return precision != "fp32" and unsharded_states(zero, offload, optimizer_state)
 
 
 def unsharded_states(zero: int, offload: str, optimizer_state: str) -> bool:
