@@ -24,7 +24,7 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph import OpGraph, trace
 from autopar.models.hints import model_hints
-from autopar.plan_schema import Plan
+from autopar.plan_schema import PipelineCapture, Plan
 
 Progress = Callable[[str], None]
 
@@ -234,10 +234,12 @@ def plan(
     facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
     efficiency = _calibration(profile, profile_device, graph, cluster, say) if profile else None
     capabilities = _capabilities(model, example_inputs, loss_fn, precision, graph, facts, cluster, fixed)
+    probe = None
     if cluster.world_size > 1 and fixed.get("pp") != 1 and not fallback:  # the cut tried on these inputs
-        from autopar.runtime.pipeline.schedule import pipeline_refusal
+        from autopar.runtime.pipeline.schedule import probe_pipeline
 
-        capabilities = dataclasses.replace(capabilities, pipeline_refusal=pipeline_refusal(model, example_inputs))
+        probe = probe_pipeline(model, example_inputs, loss_fn)
+        capabilities = dataclasses.replace(capabilities, pipeline_refusal=probe.refusal)
     capabilities = dataclasses.replace(capabilities, expert_parallel_refusal=expert_parallel_refusal(facts.experts),
                                        context_parallel_refusal=context_parallel_refusal(facts.attention,
                                                                                          bool(facts.experts))
@@ -248,9 +250,25 @@ def plan(
     result = search(graph, facts, cluster, global_batch, fixed=fixed, use_ilp=use_ilp, capabilities=capabilities,
                     **({"efficiency": efficiency} if efficiency else {}))
     chosen = build_plan(result.best, graph, facts, cluster) if result.best else None
+    if chosen is not None and chosen.strategy.pp > 1 and probe is not None:
+        chosen = chosen.model_copy(update={"pipeline_capture": PipelineCapture(
+            training_settings=probe.training_settings, dropped_outputs=list(probe.dropped_outputs))})
+    notes = [fallback] if fallback else []
+    capture = chosen.pipeline_capture if chosen is not None else None
+    if capture is not None and (capture.training_settings or capture.dropped_outputs):
+        notes.append(_pipeline_capture_note(capture))
+        say(f"note: {notes[-1]}")
     return PlanResult(plan=chosen, search=result, graph=graph, cluster=cluster, global_batch=global_batch,
-                      seq_len=seq_len, fixed=fixed, facts=facts, capabilities=capabilities,
-                      notes=[fallback] if fallback else [])
+                      seq_len=seq_len, fixed=fixed, facts=facts, capabilities=capabilities, notes=notes)
+
+
+def _pipeline_capture_note(capture: PipelineCapture) -> str:
+    """One line on what pipeline stages leave out of the forward for training."""
+    parts = [f"{name}={value}" for name, value in capture.training_settings.items()]
+    text = "pipeline stages capture the forward" + (f" with {', '.join(parts)}" if parts else "")
+    if capture.dropped_outputs:
+        text += f"; outputs the loss does not read are not carried: {', '.join(capture.dropped_outputs)}"
+    return text
 
 
 def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str, graph: OpGraph, facts,

@@ -234,6 +234,15 @@ class Provenance(_Record):
     created_at: Annotated[str, AfterValidator(_iso_timestamp)] = Field(default_factory=_now)
 
 
+class PipelineCapture(_Record):
+    """How the forward was captured for pipeline stages (pp > 1): the settings training turned off
+    (a Hugging Face model's `use_cache`: its KV cache is never built) and the output fields the loss
+    does not read, which no stage sends on."""
+
+    training_settings: dict[str, bool | int | float | str | None] = {}
+    dropped_outputs: list[str] = []
+
+
 class Plan(_Record):
     schema_version: int = PLAN_SCHEMA_VERSION
     mesh: list[MeshAxis] = Field(min_length=1)
@@ -247,6 +256,8 @@ class Plan(_Record):
     # How the runtime realizes the tp placements: "modules" (Megatron-style module rules) or "dtensor"
     # (DTensor through the model's own forward); the search costed this one (`autopar.capabilities`).
     tp_realization: Literal["modules", "dtensor"] = "modules"
+    # pp > 1 only: how the searcher's probe captured the forward for stages (the runtime captures it so).
+    pipeline_capture: PipelineCapture | None = None
     predicted: PredictedMetrics | None = None
     provenance: Provenance
 

@@ -4,7 +4,9 @@ Hugging Face causal, masked, encoder-decoder, vision and audio models, and plain
 Each entry gives the model (its own initialization, seeded), one global batch of inputs, and a loss
 `loss_fn(output, inputs)`. The runtime trains on one input tensor per batch (the token ids, the
 pixels, the waveform), so encoder-decoder models get a thin wrapper feeding the same ids to the
-decoder; everything else is the library's class as a user builds it.
+decoder; everything else is the library's class as a user builds it. Hugging Face models keep
+their library's defaults (a causal LM's `use_cache=True`, the default attention implementation):
+only sizes are set, and dropout is off so that one process and a plan compute the same thing.
 """
 
 from __future__ import annotations
@@ -163,12 +165,12 @@ class PlainCNN(nn.Module):
 
 
 def _hf(class_name: str, config_name: str, **settings) -> Callable[[], nn.Module]:
+    """The class built from its config with Hugging Face's defaults (use_cache on, the default
+    attention) but for the sizes and dropout (off: one process and a plan must compute the same)."""
     def build() -> nn.Module:
         import transformers
 
         config = getattr(transformers, config_name)(**settings)
-        if hasattr(config, "_attn_implementation"):
-            config._attn_implementation = "eager"
         return getattr(transformers, class_name)(config)
 
     return build
@@ -178,7 +180,7 @@ def _wrapped(wrapper, inner: Callable[[], nn.Module], **kwargs) -> Callable[[], 
     return lambda: wrapper(inner(), **kwargs)
 
 
-_LM = dict(vocab_size=VOCAB, use_cache=False)
+_LM = dict(vocab_size=VOCAB)
 _DECODER = dict(_LM, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=64)
 _ENCODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -214,6 +216,17 @@ def zoo() -> list[ZooModel]:
                                                        rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
         ("mixtral-moe", "MixtralForCausalLM", "MixtralConfig", dict(_DECODER, num_key_value_heads=2,
                                                                      num_local_experts=4, num_experts_per_tok=2)),
+        ("phi", "PhiForCausalLM", "PhiConfig", dict(_DECODER, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
+        ("gemma2", "Gemma2ForCausalLM", "Gemma2Config", dict(_DECODER, num_key_value_heads=2, head_dim=8)),
+        ("codegen", "CodeGenForCausalLM", "CodeGenConfig", dict(_LM, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                                                 rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                 attn_pdrop=0.0)),
+        ("starcoder2", "Starcoder2ForCausalLM", "Starcoder2Config", dict(_DECODER, num_key_value_heads=2,
+                                                                          residual_dropout=0.0, embedding_dropout=0.0)),
+        ("olmo", "OlmoForCausalLM", "OlmoConfig", dict(_DECODER, num_key_value_heads=2)),
+        ("gpt-bigcode-mqa", "GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(_LM, n_embd=32, n_layer=2, n_head=4,
+                                                                               n_positions=64, resid_pdrop=0.0,
+                                                                               embd_pdrop=0.0, attn_pdrop=0.0)),
     ]
     models = [ZooModel(name, "causal", _hf(cls, cfg, **settings), _ids, next_token_loss)
               for name, cls, cfg, settings in causal]
@@ -233,14 +246,14 @@ def zoo() -> list[ZooModel]:
     models += [
         ZooModel("t5", "seq2seq", _wrapped(Seq2Seq, _hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB,
                                                         d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                                        dropout_rate=0.0, decoder_start_token_id=0, use_cache=False)),
+                                                        dropout_rate=0.0, decoder_start_token_id=0)),
                  _ids, same_token_loss),
         ZooModel("bart", "seq2seq", _wrapped(Seq2Seq, _hf("BartForConditionalGeneration", "BartConfig",
                                                           vocab_size=VOCAB, d_model=32, encoder_layers=2,
                                                           decoder_layers=2, encoder_attention_heads=4,
                                                           decoder_attention_heads=4, encoder_ffn_dim=64,
                                                           decoder_ffn_dim=64, max_position_embeddings=64,
-                                                          dropout=0.0, attention_dropout=0.0, use_cache=False)),
+                                                          dropout=0.0, attention_dropout=0.0)),
                  _ids, same_token_loss),
         ZooModel("vit", "vision", _hf("ViTForImageClassification", "ViTConfig", **_VIT), _pixels, class_loss),
         ZooModel("deit", "vision", _hf("DeiTForImageClassification", "DeiTConfig", **_VIT), _pixels, class_loss),
@@ -272,8 +285,8 @@ def zoo() -> list[ZooModel]:
                                                                decoder_ffn_dim=64, num_mel_bins=8,
                                                                max_source_positions=16, max_target_positions=16,
                                                                dropout=0.0, attention_dropout=0.0,
-                                                               decoder_start_token_id=0, pad_token_id=0,
-                                                               use_cache=False), mels=8, frames=32),
+                                                               decoder_start_token_id=0, pad_token_id=0),
+                                                               mels=8, frames=32),
                  lambda batch, generator: torch.randn(batch, 8 * 32, generator=generator), ctc_like_loss),
         ZooModel("plain-mha", "plain", PlainMHA, _ids, next_token_loss),
         ZooModel("plain-transformer", "plain", PlainTransformer, _ids, next_token_loss),

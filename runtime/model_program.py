@@ -8,13 +8,19 @@ module objects (with their hooks, so tensor parallelism, recompute and FSDP appl
 the whole model), and only the code between them (masks, position tables, residual glue) runs as
 captured ATen ops. Parameters read outside listed modules are `get_attr` nodes under their own
 names, so a program keeps the model's parameter names.
+
+The forward is captured as training calls it: a model whose configuration asks it to build an
+inference cache (Hugging Face's `use_cache`, on by default for every causal LM) is captured with the
+cache off. The loss never reads the cache, and the cache objects it would hand each block are not
+tensors a stage boundary can carry. `ModelProgram.training_settings` says what was turned off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import fx, nn
@@ -37,6 +43,68 @@ class ModelProgram:
     attributes: dict[str, Any]  # get_attr targets that are not the model's own (captured sub-graphs)
     out_spec: pytree.TreeSpec
     input_names: list[str]  # placeholder names in order
+    training_settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. {"use_cache": False}
+
+    def output_paths(self) -> list[str]:
+        """Each output leaf's place in the model's output, as the loss would name it ("logits", "[0]")."""
+        output = next(node for node in self.graph.nodes if node.op == "output")
+        numbered = pytree.tree_unflatten(list(range(len(output.args[0]))), self.out_spec)
+        paths = {leaf: _path_text(path) for path, leaf in pytree.tree_flatten_with_path(numbered)[0]}
+        return [paths.get(index, f"[{index}]") for index in range(len(output.args[0]))]
+
+
+def _path_text(path: tuple) -> str:
+    """A leaf's key path as Python reads it off the output: `hidden_states[0]`, `[1]`, `output`."""
+    text = ""
+    for key in path:
+        if isinstance(key, pytree.SequenceKey):
+            text += f"[{key.idx}]"
+        elif isinstance(key, pytree.MappingKey):
+            text += f".{key.key}" if isinstance(key.key, str) else f"[{key.key!r}]"
+        elif isinstance(key, pytree.GetAttrKey):
+            text += f".{key.name}"
+        else:
+            text += str(key)
+    return text.lstrip(".") or "output"
+
+
+# Configuration flags that make a forward build inference-only state; off for training.
+_INFERENCE_ONLY_SETTINGS = {"use_cache": False}
+
+
+@contextlib.contextmanager
+def training_call(model: nn.Module) -> Iterator[dict[str, Any]]:
+    """Within: every configuration the model's modules read (`module.config`, and its text
+    sub-configuration) has its inference-only flags off. Yields the settings changed; restores them."""
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for candidate in (config, _text_config(config)):
+            if candidate is not None and not isinstance(candidate, (dict, nn.Module)):
+                configs.setdefault(id(candidate), candidate)
+    changed: dict[str, Any] = {}
+    restore: list[tuple[Any, str, Any]] = []
+    try:
+        for config in configs.values():
+            for name, value in _INFERENCE_ONLY_SETTINGS.items():
+                current = getattr(config, name, value)
+                if current is not None and current != value:
+                    restore.append((config, name, current))
+                    setattr(config, name, value)
+                    changed[name] = value
+        yield changed
+    finally:
+        for config, name, value in reversed(restore):
+            setattr(config, name, value)
+
+
+def _text_config(config: Any) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    try:
+        text = getter() if callable(getter) else None
+    except Exception:  # a configuration without a text part raises on some versions
+        return None
+    return text if text is not config else None
 
 
 def capture_program(model: nn.Module, args: tuple, kwargs: dict, module_paths: list[str],
@@ -49,13 +117,15 @@ def capture_program(model: nn.Module, args: tuple, kwargs: dict, module_paths: l
     Raises AutoparError with the reason when the forward cannot be captured this way.
     """
     try:
-        exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
-                                       preserve_module_call_signature=tuple(module_paths))
+        with training_call(model) as settings:
+            exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
+                                           preserve_module_call_signature=tuple(module_paths))
     except Exception as error:  # any failure inside user code or torch: say what it was, in one line
-        hint = "; build the model with use_cache=False for training" if "Cache(" in str(error) else ""
+        hint = ("; the forward asks for an inference cache itself (use_cache=True in its code): call the inner "
+                "model without it for training") if "Cache" in str(error) else ""
         raise AutoparError(f"the forward cannot be captured for pipeline stages (torch.export: "
                            f"{_first_line(error)}){hint}") from error
-    return _outline(exported, module_paths, optional)
+    return dataclasses.replace(_outline(exported, module_paths, optional), training_settings=settings)
 
 
 def _first_line(error: Exception) -> str:

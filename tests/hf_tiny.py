@@ -39,7 +39,10 @@ class ImageClassifier(nn.Module):
 
 
 def build(family: str, layers: int = 4) -> nn.Module:
-    """A tiny model of `family` (llama, gpt2, t5, bart, vit, bert) with `layers` blocks per stack."""
+    """A tiny model of `family` (llama, gpt2, t5, bart, vit, bert) with `layers` blocks per stack.
+
+    `qwen2-default` and `bart-default` keep every Hugging Face default but sizes (and dropout, off so
+    that one process and a plan compute the same thing): `use_cache=True`, the default attention."""
     import transformers
 
     common = dict(vocab_size=VOCAB, use_cache=False, attn_implementation="eager")
@@ -75,6 +78,17 @@ def build(family: str, layers: int = 4) -> nn.Module:
                                          intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                          attention_probs_dropout_prob=0.0, **common)
         make = lambda: transformers.BertForMaskedLM(config)  # noqa: E731
+    elif family == "qwen2-default":  # as a user builds it: use_cache on, the default attention, untied head
+        config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64)
+        make = lambda: transformers.Qwen2ForCausalLM(config)  # noqa: E731
+    elif family == "bart-default":  # the same for an encoder-decoder: only sizes set, dropout off for parity
+        config = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=layers, decoder_layers=layers,
+                                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                         decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+                                         attention_dropout=0.0, activation_dropout=0.0)
+        make = lambda: EncoderDecoder(transformers.BartForConditionalGeneration(config))  # noqa: E731
     else:
         raise ValueError(f"unknown family {family!r}")
     with torch.random.fork_rng(devices=[]):
@@ -106,4 +120,4 @@ def loss_fn(output, inputs: torch.Tensor) -> torch.Tensor:
 
 def heads(family: str) -> tuple[int, int]:
     """(attention heads, key-value heads) of `build(family)`."""
-    return (4, 2) if family == "llama" else (4, 4)
+    return (4, 2) if family in ("llama", "qwen2-default") else (4, 4)

@@ -80,6 +80,42 @@ def test_masked_lm_encoder_decoders_and_a_vision_transformer():
     _parity(OTHER_WORLD2, world=2)
 
 
+DEFAULT_CONFIGS_WORLD2 = [
+    ("qwen2-default", dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2)),
+    ("bart-default", dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2)),
+]
+
+
+def test_hugging_face_models_with_their_default_configs():
+    """A causal LM and an encoder-decoder as Hugging Face builds them (use_cache=True, the default
+    attention): the stages capture the forward with use_cache=False, which the plan records, and
+    train with parity and the planned ledger; the user's config is left as it was."""
+    for family, strategy in DEFAULT_CONFIGS_WORLD2:
+        plan = hf_plan(family, strategy, 2)
+        assert plan.pipeline_capture is not None, family
+        assert plan.pipeline_capture.training_settings == {"use_cache": False}, plan.pipeline_capture
+        model = hf_tiny.build(family)
+        assert all(module.config.use_cache for module in model.modules() if hasattr(module, "config")), family
+    _parity(DEFAULT_CONFIGS_WORLD2, world=2)
+
+
+def test_the_plan_names_outputs_the_loss_does_not_read():
+    """Hidden states asked for by the config are output leaves no loss reads: the plan lists them as
+    not carried, and a model whose loss reads them all drops nothing."""
+    import autopar
+
+    model = hf_tiny.build("qwen2-default")
+    model.config.output_hidden_states = True
+    heads, kv_heads = hf_tiny.heads("qwen2-default")
+    result = autopar.plan(model, hf_tiny.example_inputs("qwen2-default", 1), cluster=autopar.load_cluster("dgx-h100", gpus=2),
+                          global_batch=GLOBAL_BATCH, strategy=dict(dp=1, tp=1, pp=2, microbatch=2),
+                          loss_fn=hf_tiny.loss_fn, precision="fp32", seq_len=hf_tiny.SEQ, heads=heads,
+                          kv_heads=kv_heads, vocab=hf_tiny.VOCAB, use_ilp=False)
+    capture = result.plan.pipeline_capture
+    assert capture.dropped_outputs == [f"hidden_states[{i}]" for i in range(5)], capture
+    assert any("not carried: hidden_states[0]" in note for note in result.notes), result.notes
+
+
 WORLD4 = [
     ("llama", dict(dp=2, tp=1, pp=2, schedule="1f1b", zero=0, microbatch=1)),
     ("gpt2", dict(dp=2, tp=1, pp=2, schedule="gpipe", zero=1, microbatch=1)),
@@ -168,6 +204,17 @@ class StepCounting(torch.nn.Module):
         return x
 
 
+class AsksForCache(torch.nn.Module):
+    """A wrapper whose own code asks the inner causal LM for its KV cache: no setting can turn that off."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor):
+        return self.inner(input_ids=ids, use_cache=True)
+
+
 def _mean_square(output, inputs):
     return output.pow(2).mean()
 
@@ -183,7 +230,7 @@ def _capabilities(model, inputs):
 
 @pytest.mark.parametrize("case, reason", [
     ("counting", "writes into steps outside the modules pipeline stages call"),
-    ("kv-cache", "DynamicCache.*build the model with use_cache=False"),
+    ("kv-cache", "DynamicCache.*asks for an inference cache itself"),
 ])
 def test_a_forward_that_cannot_be_cut_gets_no_pipeline_plan(case, reason):
     """The cut is tried on the model's inputs (on meta): a failure is the searcher's reason, asked
@@ -199,8 +246,8 @@ def test_a_forward_that_cannot_be_cut_gets_no_pipeline_plan(case, reason):
     if case == "counting":
         model, inputs, loss = StepCounting(), (torch.zeros(1, 8),), _mean_square
     else:
-        model, inputs, loss = hf_tiny.build("llama"), hf_tiny.example_inputs("llama", 1), hf_tiny.loss_fn
-        model.config.use_cache = True  # HF's default: each layer is handed a KV cache object
+        inputs, loss = hf_tiny.example_inputs("llama", 1), hf_tiny.loss_fn
+        model = AsksForCache(hf_tiny.build("llama"))  # with the config's use_cache=True alone, the cut works
     capabilities = _capabilities(model, inputs)
     assert capabilities.pipeline_refusal and re.search(reason, capabilities.pipeline_refusal), \
         capabilities.pipeline_refusal

@@ -106,6 +106,37 @@ def _hold_unread_parameters(model: nn.Module, graph: fx.Graph, first: set[str], 
         first.add(name)
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineProbe:
+    """What trying the cut on the model's inputs found: why it cannot be cut (or None), the settings
+    its forward was captured under for training, and the output fields the loss does not read (which
+    no stage carries)."""
+
+    refusal: str | None
+    training_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dropped_outputs: tuple[str, ...] = ()
+
+
+def probe_pipeline(model: nn.Module, example_inputs: tuple | None = None,
+                   loss_fn: Callable | None = None) -> PipelineProbe:
+    """Try the cut as stages need it (see `pipeline_refusal`); with `loss_fn`, also find the outputs
+    it leaves unread."""
+    if example_inputs is None:
+        return PipelineProbe(None)
+    blocks = _repeated_blocks(model)
+    if len(blocks) < 2:
+        return PipelineProbe("the model has fewer than two repeated blocks to cut pipeline stages between")
+    inputs = _on_model_device(model, example_inputs)
+    try:
+        program = capture_program(model, inputs, {}, blocks)
+        read = _leaves_read_by(loss_fn, program, inputs) if loss_fn is not None else None
+    except AutoparError as error:
+        return PipelineProbe(str(error))
+    dropped = () if read is None else tuple(path for index, path in enumerate(program.output_paths())
+                                            if index not in read)
+    return PipelineProbe(None, dict(program.training_settings), dropped)
+
+
 def pipeline_refusal(model: nn.Module, example_inputs: tuple | None = None) -> str | None:
     """Why the model cannot be cut into pipeline stages, or None.
 
@@ -114,16 +145,7 @@ def pipeline_refusal(model: nn.Module, example_inputs: tuple | None = None) -> s
     capture's own failure. Without them no attempt can be made here; `parallelize` attempts the
     cut before anything runs.
     """
-    if example_inputs is None:
-        return None
-    blocks = _repeated_blocks(model)
-    if len(blocks) < 2:
-        return "the model has fewer than two repeated blocks to cut pipeline stages between"
-    try:
-        capture_program(model, _on_model_device(model, example_inputs), {}, blocks)
-    except AutoparError as error:
-        return str(error)
-    return None
+    return probe_pipeline(model, example_inputs).refusal
 
 
 def _on_model_device(model: nn.Module, example_inputs) -> tuple[torch.Tensor, ...]:
