@@ -13,23 +13,33 @@ GLOBAL_BATCH = 8
 SEQ = 16
 STEPS = 3
 
-PIPELINE_ZERO = [
-    dict(dp=2, tp=1, pp=2, schedule="1f1b", zero=3, microbatch=1),
-    dict(dp=2, tp=1, pp=2, schedule="1f1b", zero=2, microbatch=2),
-]
-
-
-def test_zero_2_and_3_under_a_pipeline_train_like_one_process_and_send_the_planned_collectives():
+def _parity(strategies: list[dict]) -> None:
     from test_runtime_parity import _check
 
     overrides = tiny_config()
     data = batches(overrides["vocab"], GLOBAL_BATCH, SEQ, STEPS)
-    plans = [make_plan("gpt", overrides, strategy, 4, GLOBAL_BATCH) for strategy in PIPELINE_ZERO]
+    plans = [make_plan("gpt", overrides, strategy, 4, GLOBAL_BATCH) for strategy in strategies]
+    for plan, strategy in zip(plans, strategies):
+        assert plan.strategy.zero == strategy["zero"] and plan.strategy.pp == 2  # planned as asked, not refused
     jobs = [dict(plan=plan.to_json(), model="gpt", overrides=overrides, data=data) for plan in plans]
     results = run_plans(4, jobs)
     losses, state = reference_run("gpt", overrides, data)
-    for strategy, plan, ranks in zip(PIPELINE_ZERO, plans, results):
+    for strategy, plan, ranks in zip(strategies, plans, results):
         _check(strategy, plan, ranks, losses, state)
+
+
+def test_zero3_under_a_pipeline_trains_like_one_process_and_sends_the_planned_collectives():
+    """1F1B interleaves micro-batches' forwards and backwards: each use gathers again, and the
+    gradients leave once, after the last backward (torch's own stage would keep the weights gathered
+    and send one gather per unit: the ledger check fails)."""
+    _parity([dict(dp=2, tp=1, pp=2, schedule="1f1b", zero=3, microbatch=1)])
+
+
+# ~60 s more on 4 processes (this 2-core VM, shared)
+@pytest.mark.slow
+def test_zero2_and_interleaved_zero3_under_a_pipeline():
+    _parity([dict(dp=2, tp=1, pp=2, schedule="1f1b", zero=2, microbatch=2),
+             dict(dp=2, tp=1, pp=2, schedule="interleaved", vp=2, zero=3, microbatch=1)])
 
 
 # --- the two weight-fetch choices, priced in closed form ----------------------------------------------
