@@ -186,7 +186,7 @@ class Capabilities:
             return "the runtime's expert parallelism keeps optimizer states on the device: use offload=none with ep > 1"
         if strategy.pp > 1 and strategy.zero >= 2:
             return ("the runtime's expert parallelism runs pipeline stages with ZeRO ≤ 1 (what its parity tests "
-                    "cover): use zero ≤ 1 with ep > 1 and pp > 1")
+                    "cover): use zero ≤ 1 with pp > 1")
         return None
 
     def _context_parallel_refusal(self, strategy: Strategy) -> str | None:
