@@ -82,7 +82,9 @@ class Capabilities:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: bool = True
     max_vp: int = 8
-    max_zero_with_pipeline: int = 1  # see `supports`
+    # Every ZeRO stage runs with pipeline stages (`runtime.pipeline.zero_stage`): 1 and 2 keep the
+    # weights gathered through the step, 3 gathers them per use; gradients are reduced once per step
+    # but under ZeRO 2, every micro-batch.
     # Optimizer-state offload: FSDP2's CPUOffloadPolicy (`runtime.data_parallel.apply_fsdp`), so it
     # needs FSDP2 (zero ≥ 1, over a dp mesh of any size, 1 included). Without tp and pp: the parity
     # tests cover dp only, and torch's pipeline stages drive FSDP2 themselves.
@@ -111,7 +113,7 @@ class Capabilities:
     # Expert parallelism (`runtime.expert_parallel`): the zoo's MoE block with its experts sharded over
     # ep groups of dp ranks, with data and pipeline parallelism (tp = 1), any recompute (full resends
     # each layer's forward all-to-alls, as priced; selective saves them), ZeRO 0 (expert gradients
-    # summed over their replicas in the runtime's buckets) and ZeRO 1-3 (ZeRO 1 with pipeline stages,
+    # summed over their replicas in the runtime's buckets) and ZeRO 1-3 (ZeRO ≤ 1 with pipeline stages,
     # as for every plan; no offload), each rank's expert slices FSDP2 units over their replicas: what
     # the parity tests cover.
     # `expert_parallel_refusal`: why the model being planned cannot run ep (no MoE layers, or MoE
@@ -171,13 +173,6 @@ class Capabilities:
                 return reason
         if strategy.pp > 1 and self.pipeline_refusal:
             return self.pipeline_refusal
-        if strategy.pp > 1 and strategy.dp > 1 and strategy.zero > self.max_zero_with_pipeline:
-            # torch.distributed.pipelining drives FSDP2 itself: it keeps gradients unsharded and weights
-            # gathered between micro-batches and reduces once after the last one, which is ZeRO 1's
-            # traffic and memory, not what ZeRO 2/3 are costed as.
-            return (f"the runtime's pipeline schedules run ZeRO {strategy.zero} as ZeRO 1 (gradients reduced once "
-                    f"per step, weights kept gathered between micro-batches): use zero ≤ "
-                    f"{self.max_zero_with_pipeline} with pp > 1")
         return None
 
     def _expert_parallel_refusal(self, strategy: Strategy) -> str | None:
@@ -189,6 +184,9 @@ class Capabilities:
             return "the runtime runs expert parallelism without tensor parallelism: use tp=1 with ep > 1"
         if strategy.offload != "none":
             return "the runtime's expert parallelism keeps optimizer states on the device: use offload=none with ep > 1"
+        if strategy.pp > 1 and strategy.zero >= 2:
+            return ("the runtime's expert parallelism runs pipeline stages with ZeRO ≤ 1 (what its parity tests "
+                    "cover): use zero ≤ 1 with pp > 1")
         return None
 
     def _context_parallel_refusal(self, strategy: Strategy) -> str | None:

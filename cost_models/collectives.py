@@ -14,8 +14,8 @@ It follows the runtime's algorithm, which the evaluator costs:
   next block is still repeated. Selective recompute saves collectives' outputs and repeats none;
 - dp, ZeRO 0: the gradients all-reduced once per step in buckets; ZeRO 1-3 (FSDP, one unit per
   layer plus one for the rest of the stage): weights all-gathered at the first forward (ZeRO 1/2)
-  or every forward and backward (ZeRO 3), gradients reduce-scattered once per step (ZeRO 1) or per
-  micro-batch (ZeRO 2/3); under ep the experts are FSDP units of their own over their dp/ep
+  or every forward and backward (ZeRO 3), gradients reduce-scattered once per step (ZeRO 1, and ZeRO 3
+  under pipeline stages: `memory.gradients_sharded`) or per micro-batch (ZeRO 2, ZeRO 3 without); under ep the experts are FSDP units of their own over their dp/ep
   replicas (axis "edp", `cost_models.experts`), gathered and scattered as often, none when ep = dp;
 - pp: per micro-batch and stage boundary, a send and a receive of each tensor crossing the cut
   (`Unit.cut`: hidden states, an encoder's output, position biases; not what every stage
@@ -46,6 +46,7 @@ from autopar.cost_models.context import AttentionLayer, rank_batch, replica_axis
 from autopar.cost_models.experts import (ExpertLayer, all_to_all_axis, fsdp_expert_elements, unit_all_to_alls,
                                          unit_expert_params)
 from autopar.cost_models.facts import Unit
+from autopar.cost_models.memory import gradients_sharded
 from autopar.cost_models.recompute import stage_policies
 
 GRADIENT_REDUCE_BYTES = 4  # fp32 gradient reduction, whatever the compute precision
@@ -137,7 +138,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
             gathered = _fsdp_unit_params(units, s.tp, copies, tied_copies, experts=moe)
             reduced = _fsdp_unit_params(units, s.tp, copies, tied_copies, gradients=True, experts=moe)
             gathers = 2 * m if s.zero >= 3 else 1
-            scatters = m if s.zero >= 2 else 1
+            scatters = m if gradients_sharded(s.zero, s.pp) else 1
             for unit_params, unit_grads in zip(gathered, reduced):
                 add(dp_axis, "all_gather", unit_params * weight_bytes, gathers)
                 if unit_grads:
@@ -260,7 +261,7 @@ def sequence_parallel_gradient_reductions(units: list[Unit], strategy: Strategy)
     if not elements:
         return []
     if s.zero >= 1:
-        syncs = s.num_microbatches if s.zero >= 2 else 1
+        syncs = s.num_microbatches if gradients_sharded(s.zero, s.pp) else 1
         return [(elements / tensors * GRADIENT_REDUCE_BYTES, tensors * syncs)]
     return [(elements * GRADIENT_REDUCE_BYTES, 1)]
 

@@ -184,24 +184,26 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
         experts = prices.rank_expert_params[rank] if prices.rank_expert_params else 0.0
         grad_bytes = (rank_params[rank] - experts) * GRADIENT_REDUCE_BYTES  # experts: over their replicas below
         exposed = 0.0
-        if copies > 1 and s.zero < 3:
+        # ZeRO 3 reduces inside each backward (`stage_costs._zero3_exposed_s`), under pp after the last
+        reduced_after = s.zero < 3 or s.pp > 1
+        if copies > 1 and reduced_after:
             reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce", grad_bytes, dp_layout, cluster)
             window = sum(prices.stages[i].backward_s for i in stage_indices)
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
             exposed = max(reduce - window, reduce / buckets) if overlap_grad_sync else reduce
-            if s.zero >= 1:  # the updated weight shards, gathered before (or during) the next forward
+            if 1 <= s.zero < 3:  # the updated weight shards, gathered before (or during) the next forward
                 gather = collective_time_s("all_gather", (rank_params[rank] - experts) * per.weight, dp_layout,
                                            cluster)
                 first_forward = sum(prices.stages[i].forward_s for i in stage_indices)
                 exposed += max(gather - first_forward, gather / buckets) if overlap_grad_sync else gather
-        if experts and s.dp > s.ep and s.zero < 3:  # expert gradients over the dp/ep ranks holding the same experts
+        if experts and s.dp > s.ep and reduced_after:  # expert gradients over the dp/ep ranks holding the same experts
             expert_replicas = replica_layout(s, cluster.gpus_per_node)
             reduce = collective_time_s("reduce_scatter" if s.zero >= 1 else "all_reduce",
                                        experts * GRADIENT_REDUCE_BYTES, expert_replicas, cluster)
             window = sum(prices.stages[i].backward_s for i in stage_indices)
             buckets = max(1, math.ceil(experts * GRADIENT_REDUCE_BYTES / DDP_BUCKET_BYTES))
             exposed += max(reduce - window, reduce / buckets) if overlap_grad_sync else reduce
-            if s.zero >= 1:  # and their updated shards gathered again
+            if 1 <= s.zero < 3:  # and their updated shards gathered again
                 gather = collective_time_s("all_gather", experts * per.weight, expert_replicas, cluster)
                 first_forward = sum(prices.stages[i].forward_s for i in stage_indices)
                 exposed += max(gather - first_forward, gather / buckets) if overlap_grad_sync else gather
@@ -251,7 +253,7 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             exchange_bytes=exchange_buffer_bytes(pricing.facts.attention, [u.name for i in stage_indices
                                                                             for u in stages_units[i]], s)
             if s.cp > 1 else 0.0,
-            num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl,
+            num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl, pp=s.pp,
             # the loss's gradients live before the first recomputed layer's transient: the larger counts
             loss_bytes=max(0.0, loss_gradient_bytes(pricing.facts, s)
                            - max(prices.stages[i].transient_bytes for i in stage_indices))

@@ -4,7 +4,7 @@ in-flight micro-batches, communication buffers, and an allocator margin.
 Model states per parameter (Rajbhandari et al., "ZeRO", SC'20, §3.1 and §5): mixed-precision
 Adam holds a 2-byte weight, a 2-byte gradient and 12 bytes of fp32 master weight and moments;
 fp32 training holds 4 + 4 + 8. ZeRO-1 shards the optimizer states over dp, ZeRO-2 also the
-gradients, ZeRO-3 also the weights.
+gradients, ZeRO-3 also the weights (under pipeline stages not the gradients: `gradients_sharded`).
 
 What this model gets wrong (issue #18; issue #29 checked the unsharded case on an H100 and against
 torch's MemTracker, `_unsharded_peak`):
@@ -88,12 +88,20 @@ class MemoryBreakdown:
         }
 
 
+def gradients_sharded(zero: int, pp: int) -> bool:
+    """Whether only gradient shards persist through the step, reduce-scattered every micro-batch: ZeRO 2,
+    and ZeRO 3 without pipeline stages. Under pipeline stages ZeRO 3 accumulates them whole and
+    reduce-scatters once per step, as TorchTitan composes FSDP2 with its pipeline (its weights
+    re-gathered per use, `runtime.pipeline.zero_stage`)."""
+    return zero == 2 or (zero >= 3 and pp == 1)
+
+
 def model_state_bytes(params_on_device: float, precision: str, zero: int, dp: int,
-                      optimizer_state: str = "fp32") -> tuple[float, float, float]:
+                      optimizer_state: str = "fp32", pp: int = 1) -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) held by one device for its share of parameters."""
     per = state_bytes_per_param(precision, optimizer_state)
     weights = params_on_device * per.weight / (dp if zero >= 3 else 1)
-    gradients = params_on_device * per.gradient / (dp if zero >= 2 else 1)
+    gradients = params_on_device * per.gradient / (dp if gradients_sharded(zero, pp) else 1)
     optimizer = params_on_device * per.optimizer / (dp if zero >= 1 else 1)
     return weights, gradients, optimizer
 
@@ -115,6 +123,7 @@ def device_memory(
     num_microbatches: int = 1,
     optimizer_impl: str = "fused",
     loss_bytes: float = 0.0,
+    pp: int = 1,
 ) -> MemoryBreakdown:
     """`offload="optimizer"` (FSDP2's CPUOffloadPolicy): every sharded state lives in host memory
     (`cost_models.offload`): the optimizer states (fp32 master weights and moments) always, the
@@ -122,9 +131,10 @@ def device_memory(
     shards under ZeRO 3 (gathered from the host for each use: the buffers below). What the runtime
     keeps unsharded through the step stays: ZeRO 1/2's gathered weights, ZeRO 1's gradients.
     `expert_params` (ep > 1): of `params_on_device`, this rank's expert slices, whose ZeRO shards
-    over their `expert_dp` = dp/ep replicas (`cost_models.experts`)."""
-    dense = model_state_bytes(params_on_device - expert_params, precision, zero, dp, optimizer_state)
-    sliced = model_state_bytes(expert_params, precision, zero, expert_dp, optimizer_state)
+    over their `expert_dp` = dp/ep replicas (`cost_models.experts`). `pp`: under pipeline stages
+    ZeRO 3 holds whole gradients (`gradients_sharded`)."""
+    dense = model_state_bytes(params_on_device - expert_params, precision, zero, dp, optimizer_state, pp)
+    sliced = model_state_bytes(expert_params, precision, zero, expert_dp, optimizer_state, pp)
     weights, gradients, optimizer = (a + b for a, b in zip(dense, sliced))
     if offload == "optimizer":
         optimizer = 0.0

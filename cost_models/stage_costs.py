@@ -25,7 +25,7 @@ from autopar.cost_models.compute import Efficiency, UnitTime, op_time_s, unit_ti
 from autopar.cost_models.context import rank_batch, replicas, unit_exchange_s
 from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_all_to_alls, unit_expert_params
 from autopar.cost_models.facts import ModelFacts, Unit
-from autopar.cost_models.memory import state_bytes_per_param
+from autopar.cost_models.memory import gradients_sharded, state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
 
 
@@ -221,8 +221,8 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
 
 def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence[str], forward_s: float,
                      backward_s: float) -> tuple[float, float]:
-    """ZeRO-3's per-micro-batch weight gathers (and gradient scatters) left after overlapping them
-    with the stage's compute: at least the first layer's gather is exposed; all of them without
+    """ZeRO-3's per-micro-batch weight gathers (and gradient scatters, but under pipeline stages, which
+    reduce once per step) left after overlapping them with the stage's compute: at least the first layer's gather is exposed; all of them without
     `dp_overlap` (no prefetch), and with `zero3_fetch=parameter` (`parameter_fetch_s`)."""
     s = pricing.strategy
     if s.zero < 3 or replicas(s) == 1:
@@ -231,7 +231,8 @@ def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence
     if s.zero3_fetch == "parameter":
         forward, backward = parameter_fetch_s(pricing, units, policies, per.weight)
         scatter = collective_time_s("reduce_scatter", sum(u.params_on_device(s.tp) for u in units)
-                                    * GRADIENT_REDUCE_BYTES, pricing.dp_layout, pricing.cluster)
+                                    * GRADIENT_REDUCE_BYTES, pricing.dp_layout, pricing.cluster) \
+            if gradients_sharded(s.zero, s.pp) else 0.0
         return forward, backward + (scatter if not s.dp_overlap else max(scatter - backward_s, 0.0))
     experts = sum(unit_expert_params(pricing.facts.experts, u.name) for u in units) if s.ep > 1 else 0.0
     stage_params = sum(u.params_on_device(s.tp) for u in units) - experts
@@ -243,6 +244,8 @@ def _zero3_exposed_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence
         gather += collective_time_s("all_gather", experts / s.ep * per.weight, expert_replicas, pricing.cluster)
         scatter += collective_time_s("reduce_scatter", experts / s.ep * GRADIENT_REDUCE_BYTES, expert_replicas,
                                      pricing.cluster)
+    if not gradients_sharded(s.zero, s.pp):  # under pp reduced once per step (`evaluate.rank_tails`)
+        scatter = 0.0
     if not s.dp_overlap:
         return gather, gather + scatter
     first = gather / max(len(units), 1)

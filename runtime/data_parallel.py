@@ -13,7 +13,11 @@
   on the CPU; shards are copied to the device before each all-gather and gradients back after each
   reduce-scatter (`cost_models.offload` prices those copies). On a CPU/gloo run it changes no
   placement; the data path (and the collectives) are the same FSDP2 code's.
-Under a pipeline schedule, torch's stage drives FSDP2's gradient sync itself (last backward only).
+Under pipeline stages (`runtime.pipeline.zero_stage`) the schedule drives FSDP2 per micro-batch:
+zero 1 and 2 keep the weights gathered from each unit's first forward to the step's end; zero 1
+reduce-scatters once after the last micro-batch, zero 2 every micro-batch; zero 3 frees the weights
+after every forward and backward and reduce-scatters the gradients, accumulated whole, once per
+step (as TorchTitan composes FSDP2 with its pipeline stages, and Llama 3 trained).
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ def set_microbatch_boundary(modules: list[nn.Module], zero: int, last: bool) -> 
                 module.set_requires_gradient_sync(last)
             if zero < 3:
                 module.set_reshard_after_backward(last)
+
+
+def pipeline_microbatch_flags(zero: int) -> tuple[bool, bool]:
+    """(requires_gradient_sync, reshard_after_backward) for each micro-batch's backward under a
+    pipeline schedule, whose stage reduces what is left and reshards after the last one."""
+    return zero == 2, zero >= 3
 
 
 class GradientBuckets:

@@ -387,7 +387,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters())
         parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
                                            layout.group("pp"), s.schedule, s.num_microbatches, loss_fn,
-                                           scale_grads=not buckets)
+                                           scale_grads=not buckets, zero=s.zero if replicas > 1 else 0)
     if buckets:  # 10. dp (x cp) sync in buckets, overlapped with the last backward (they average over micro-batches too)
         named = parallel.named_parameters()
         experts = {id(named[name]) for name in parallel.expert_params}

@@ -116,8 +116,8 @@ def test_golden_gpt3_175b_on_1024_a100():
     result = search(graph, facts, cluster, 1536, use_ilp=False)
     s = result.best.strategy
     # Was dp=128 tp=2 pp=4 at 15.21 s; since then gradients are reduced in fp32, a tied head's copy and
-    # its gradient sum across pipeline ranks are costed, and ZeRO 2/3 are not planned with pp > 1 (the
-    # runtime's pipeline schedules run them as ZeRO 1).
+    # its gradient sum across pipeline ranks are costed, and ZeRO 2/3 were not planned with pp > 1
+    # until issue #30 (`runtime.pipeline.zero_stage`).
     assert (s.dp, s.tp, s.pp, s.zero) == (64, 2, 8, 1)
     assert result.best.evaluation.step_time_s == pytest.approx(15.58, rel=0.02)
 
@@ -266,19 +266,17 @@ def test_a_megatron_layout_the_runtime_refuses_is_never_planned():
     assert any("Megatron-style" in reason for reason in result.rejected)
 
 
-def test_zero_2_and_3_are_not_planned_under_a_pipeline(small):
-    """torch's pipeline schedules run FSDP2 as ZeRO 1 (one reduce per step, weights kept gathered):
-    a plan costed as ZeRO 2/3 with pp > 1 would not run as costed, so none is offered."""
+def test_zero_2_and_3_are_planned_under_a_pipeline(small):
+    """Pipeline stages run every ZeRO stage as priced (`runtime.pipeline.zero_stage`): the runtime
+    accepts ZeRO 2/3 with pp > 1 and dp > 1, and the search offers them."""
     from autopar.capabilities import RUNTIME_CAPABILITIES
 
     graph, facts = small
     cluster = load_cluster("dgx-h100", gpus=8)
     for zero in (2, 3):
-        reason = RUNTIME_CAPABILITIES.supports(Strategy(dp=2, tp=2, pp=2, zero=zero, microbatch=1, num_microbatches=8))
-        assert reason and "as ZeRO 1" in reason
-        with pytest.raises(AutoparError, match="use zero ≤ 1 with pp > 1"):
-            search(graph, facts, cluster, 32, fixed={"dp": 2, "tp": 2, "pp": 2, "zero": zero}, use_ilp=False)
-    assert RUNTIME_CAPABILITIES.supports(Strategy(dp=2, tp=2, pp=2, zero=1, microbatch=1, num_microbatches=8)) is None
-    assert RUNTIME_CAPABILITIES.supports(Strategy(dp=8, tp=1, pp=1, zero=3, microbatch=1, num_microbatches=4)) is None
-    result = search(graph, facts, cluster, 32, use_ilp=False)
-    assert all(c.strategy.zero <= 1 for c in result.ranked if c.strategy.pp > 1 and c.strategy.dp > 1)
+        assert RUNTIME_CAPABILITIES.supports(Strategy(dp=2, tp=2, pp=2, zero=zero, microbatch=1,
+                                                      num_microbatches=8)) is None
+        result = search(graph, facts, cluster, 32, fixed={"dp": 2, "tp": 2, "pp": 2, "zero": zero}, use_ilp=False)
+        assert result.best.strategy.zero == zero
+    result = search(graph, facts, cluster, 32, fixed={"dp": 2, "tp": 1, "pp": 4}, use_ilp=False)
+    assert not any("ZeRO" in reason for reason in result.rejected), result.rejected

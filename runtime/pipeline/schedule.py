@@ -30,6 +30,7 @@ from autopar.runtime.init import _strip_wrappers
 from autopar.runtime.mesh import RankLayout
 from autopar.runtime.model_program import ModelProgram, capture_program
 from autopar.runtime.pipeline.split import ProgramSplit, StageGraph, split_program
+from autopar.runtime.pipeline.zero_stage import ZeroPipelineStage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 NON_LAYER_UNITS = ("pre", "post", "between.")
@@ -326,10 +327,12 @@ class PipelineRunner:
 
 def build_schedule(cut: PipelineCut, stages: list[nn.Module], stage_indices: list[int], device: torch.device,
                    group: dist.ProcessGroup, schedule: str, num_microbatches: int, loss_fn,
-                   scale_grads: bool = True) -> PipelineRunner:
-    """`scale_grads=False`: the schedule leaves gradients summed over micro-batches (the caller averages)."""
+                   scale_grads: bool = True, zero: int = 0) -> PipelineRunner:
+    """`scale_grads=False`: the schedule leaves gradients summed over micro-batches (the caller averages).
+    `zero` ≥ 2: stages sync and reshard their FSDP2 units per micro-batch as that ZeRO stage says."""
     num_stages = len(cut.split.stages)
-    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group)
+    pipeline_stages = [ZeroPipelineStage(module, index, num_stages, device, group=group, zero=zero) if zero >= 2
+                       else PipelineStage(module, index, num_stages, device, group=group)
                        for module, index in zip(stages, stage_indices)]
     last = cut.split.stages[-1]
     stage_loss = _loss_on_leaves(loss_fn, cut.program, last.output_slots)
