@@ -97,11 +97,24 @@ def gradients_sharded(zero: int, pp: int) -> bool:
 
 
 def model_state_bytes(params_on_device: float, precision: str, zero: int, dp: int,
-                      optimizer_state: str = "fp32", pp: int = 1) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer states) held by one device for its share of parameters."""
+                      optimizer_state: str = "fp32", pp: int = 1,
+                      num_microbatches: int = 1) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) held by one device for its share of parameters.
+
+    ZeRO 1-3 run on FSDP2 with fp32 gradient reduction (`runtime.precision.fsdp_policy`), so a
+    gradient kept is fp32 whatever the compute precision: the reduced shards (4 B / dp, the dtype of
+    the fp32 master shard), and, where micro-batches accumulate before one reduction (ZeRO 1, ZeRO 3
+    under pipeline stages), the whole gradient, which FSDP2 accumulates in the reduction dtype
+    (`FSDPParam.to_accumulated_grad_if_needed`): 4 B. With one micro-batch each unit's gradient is
+    reduced as its backward ends, so only shards persist."""
     per = state_bytes_per_param(precision, optimizer_state)
     weights = params_on_device * per.weight / (dp if zero >= 3 else 1)
-    gradients = params_on_device * per.gradient / (dp if gradients_sharded(zero, pp) else 1)
+    if zero == 0:
+        gradients = params_on_device * per.gradient
+    elif gradients_sharded(zero, pp) or num_microbatches == 1:
+        gradients = params_on_device * 4 / dp
+    else:
+        gradients = params_on_device * 4
     optimizer = params_on_device * per.optimizer / (dp if zero >= 1 else 1)
     return weights, gradients, optimizer
 
@@ -133,8 +146,9 @@ def device_memory(
     `expert_params` (ep > 1): of `params_on_device`, this rank's expert slices, whose ZeRO shards
     over their `expert_dp` = dp/ep replicas (`cost_models.experts`). `pp`: under pipeline stages
     ZeRO 3 holds whole gradients (`gradients_sharded`)."""
-    dense = model_state_bytes(params_on_device - expert_params, precision, zero, dp, optimizer_state, pp)
-    sliced = model_state_bytes(expert_params, precision, zero, expert_dp, optimizer_state, pp)
+    dense = model_state_bytes(params_on_device - expert_params, precision, zero, dp, optimizer_state, pp,
+                              num_microbatches)
+    sliced = model_state_bytes(expert_params, precision, zero, expert_dp, optimizer_state, pp, num_microbatches)
     weights, gradients, optimizer = (a + b for a, b in zip(dense, sliced))
     if offload == "optimizer":
         optimizer = 0.0

@@ -36,7 +36,8 @@ def layer_budget(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, we
     layers = len(facts.layer_units)
     if not layers:
         return None
-    state = sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s)))  # bytes per parameter
+    state = sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s), pp=s.pp,
+                                  num_microbatches=s.num_microbatches))  # bytes per parameter
     stages = s.pp * s.vp
     sizes = even_stage_layers(layers, stages) if stages <= layers else [1] * stages
     per_rank = max(sum(sizes[i] for i in range(rank, stages, s.pp)) for rank in range(s.pp))

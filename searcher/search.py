@@ -398,7 +398,8 @@ class Refiner:
         stages = s.pp * s.vp
         if stages == 1 or s.recompute_layers is not None:  # fixed counts are per stage of the even split
             return None
-        state = sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s), pp=s.pp))  # bytes per parameter
+        state = sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s), pp=s.pp,
+                                  num_microbatches=s.num_microbatches))  # bytes per parameter
         batch = rank_batch(s)
         tp_layout = group_layout(s.tp, 1, self.cluster.gpus_per_node)
         costs = []

@@ -91,8 +91,9 @@ def test_ledger_gathers_once_per_step_or_per_use_and_reduces_as_zero_says(facts)
 
 def test_memory_holds_gathered_weights_or_their_shards_and_whole_gradients_under_a_pipeline(facts):
     """ZeRO 3 under pp holds 1/dp of the weights that ZeRO 1 keeps gathered (plus two units in
-    flight) and the same whole gradients (reduced once per step); without pp its gradients are
-    shards. ZeRO 2 holds gathered weights and gradient shards."""
+    flight) and the same whole gradients (reduced once per step, accumulated by FSDP2 in its fp32
+    reduction dtype: twice the bf16 weights' bytes); without pp its gradients are fp32 shards. ZeRO 2
+    holds gathered weights and fp32 gradient shards."""
     from autopar.cluster import load_cluster
     from autopar.cost_models.evaluate import evaluate
 
@@ -101,12 +102,12 @@ def test_memory_holds_gathered_weights_or_their_shards_and_whole_gradients_under
     for rank in range(2):
         held = zero1[rank].parameters  # bf16 weights, 2 bytes each
         assert zero3[rank].parameters == pytest.approx(held / DP)
-        assert zero3[rank].gradients == pytest.approx(zero1[rank].gradients) == pytest.approx(held)
+        assert zero3[rank].gradients == pytest.approx(zero1[rank].gradients) == pytest.approx(2 * held)
         assert zero3[rank].optimizer_states == pytest.approx(zero1[rank].optimizer_states) == pytest.approx(held * 6 / DP)
         assert zero2[rank].parameters == pytest.approx(held)
-        assert zero2[rank].gradients == pytest.approx(held / DP)
+        assert zero2[rank].gradients == pytest.approx(2 * held / DP)
     flat = evaluate(facts, load_cluster("dgx-h100", gpus=4), _strategy(3, pp=1), DP * M).memory[0]
-    assert flat.gradients == pytest.approx(flat.parameters)  # pp=1: both sharded over dp=4
+    assert flat.gradients == pytest.approx(2 * flat.parameters)  # pp=1: both sharded over dp=4, fp32 gradients
 
 
 def test_zero3_under_a_pipeline_pays_its_gathers_per_micro_batch_and_its_reduce_once(facts):
