@@ -132,3 +132,22 @@ def test_capabilities_refuse_what_the_split_backward_does_not_run_with(change, w
 def test_zbv_needs_two_stages_per_rank():
     with pytest.raises(ValueError, match="vp=2"):
         Strategy(dp=1, tp=1, pp=2, microbatch=1, num_microbatches=4, schedule="zbv", vp=1)
+
+
+def test_searcher_offers_zero_bubble_schedules_where_they_run():
+    """pp=2 on 2 ranks, recompute left open: the ranked candidates include both zero-bubble schedules, each
+    without recompute (the capability table refuses them with it), zbv priced with less bubble than 1F1B."""
+    import autopar
+    from autopar.models import build_model
+
+    spec = build_model("gpt", TINY_GPT)
+    result = autopar.plan(spec.module, spec.example_inputs(1), cluster=autopar.load_cluster("dgx-h100", gpus=2),
+                          global_batch=8, strategy=dict(pp=2, microbatch=2), loss_fn=spec.loss_fn, precision="fp32",
+                          name="gpt", seq_len=16, heads=4, kv_heads=4, vocab=96)
+    ranked = [candidate.evaluation.strategy for candidate in result.search.ranked]
+    offered = {(s.schedule, s.vp) for s in ranked if s.schedule in ("interleaved_zb", "zbv")}
+    assert {("zbv", 2), ("interleaved_zb", 1), ("interleaved_zb", 2)} <= offered
+    assert all(s.recompute == "none" for s in ranked if s.schedule in ("interleaved_zb", "zbv"))
+    zbv = next(c.evaluation for c in result.search.ranked if c.evaluation.strategy.schedule == "zbv")
+    assert zbv.pipeline.bubble_s < next(c.evaluation for c in result.search.ranked
+                                        if c.evaluation.strategy.schedule == "1f1b").pipeline.bubble_s
