@@ -245,7 +245,8 @@ def zero_bubble_problem(strategy: Strategy) -> str | None:
         return (f"the runtime runs {s.schedule} without recompute (a checkpointed block would rebuild its activations "
                 f"in the input-gradient pass and again in the weight-gradient pass): use recompute=none")
     if s.compile:
-        return f"torch's {s.schedule} schedule refuses compiled stages (it splits the backward by autograd): compile=false"
+        return (f"torch's {s.schedule} schedule refuses compiled stages (it splits the backward by autograd): "
+                f"compile=false")
     return None
 
 

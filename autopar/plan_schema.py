@@ -364,7 +364,8 @@ def _check_stage_devices(stages: list[StagePlan], pp: int, world_size: int, sche
         expected = list(range(rank * block, (rank + 1) * block))
         if sorted(stage.device_ids) != expected:
             raise ValueError(f"stage {stage.index} runs on devices {stage.device_ids}, but pipeline rank {rank} "
-                             f"(placement of schedule {schedule}, pp={pp}) owns devices {expected} of the pp x dp x cp x tp mesh")
+                             f"(placement of schedule {schedule}, pp={pp}) owns devices {expected} of the pp x dp x cp x "
+                             f"tp mesh")
 
 
 def _check_stage_modules(stages: list[StagePlan], recompute_modules: list[str]) -> None:

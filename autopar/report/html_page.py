@@ -121,7 +121,8 @@ def _stages_section(report: Report) -> str:
                      escape(compact_units(row.units)), f"{row.forward_s * 1e3:.2f}", f"{row.backward_s * 1e3:.2f}",
                      f"{(row.forward_s + row.backward_s) * s.num_microbatches * 1e3:.1f}",
                      f"{memory[row.rank] / GiB:.1f}", escape(recompute_text(row, s))])
-    note = (f'<p class="note">{s.pp * s.vp} virtual stages, {s.vp} per pipeline rank ({escape(placement_text(s, "runs on"))}); times are one micro-batch on one GPU, summed over the rank\'s stages.</p>' if s.vp > 1 else "")
+    placement = escape(placement_text(s, "runs on"))
+    note = (f'<p class="note">{s.pp * s.vp} virtual stages, {s.vp} per pipeline rank ({placement}); times are one micro-batch on one GPU, summed over the rank\'s stages.</p>' if s.vp > 1 else "")
     return note + _table(["pp rank", "GPUs", "stages", "modules", "fwd ms", "bwd ms",
                           f"× {s.num_microbatches} micro-batches, ms", "peak GiB", "recomputed layers"], rows,
                          "stage-table", numeric={0, 4, 5, 6, 7})

@@ -25,6 +25,8 @@ BREAKDOWN_COLOURS = {"compute": "#4e79a7", "recompute": "#edc948", "exposed_comm
 DETAIL_NODES = 2  # nodes drawn GPU by GPU; the rest are cells in the grid
 RECT_LIMIT = 800  # passes drawn as separate rectangles (with tooltips) up to this many
 
+PASS_NAMES = {"F": "forward", "W": "weight-gradient"}  # "B": backward (input gradient under zero bubble)
+
 
 def _f(x: float) -> str:
     return f"{x:.1f}".rstrip("0").rstrip(".")
@@ -197,7 +199,7 @@ def timeline_svg(report: Report, passes: list[Pass]) -> str:
                 f'M{_f(x0 + x.start_s * scale)} {y}h{w:.2f}v{row_h}h-{w:.2f}z')
         for (rank, kind, chunk), parts in sorted(paths.items()):
             body.append(f'<path d="{"".join(parts)}" fill="{shades[kind][chunk % 4]}" stroke="#fff" stroke-width="0.3">'
-                        f'<title>pp {rank}: { {"F": "forward", "W": "weight-gradient"}.get(kind, "backward")} passes of chunk {chunk}</title></path>')
+                        f'<title>pp {rank}: {PASS_NAMES.get(kind, "backward")} passes of chunk {chunk}</title></path>')
     axis_y = 4 + pp * (row_h + 4) + 2
     body += _ticks(total, width, x0, axis_y)
     legend_y = axis_y + 24
