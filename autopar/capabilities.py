@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from autopar.plan_schema import Strategy
+from autopar.plan_schema import ZERO_BUBBLE_SCHEDULES, Strategy
 
 
 # Strategy knobs that say how other software implemented a run (`cost_models.implementation`):
@@ -77,7 +77,8 @@ class TpRealization:
 
 @dataclass(frozen=True)
 class Capabilities:
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+    # interleaved_zb and zbv: torch's zero-bubble schedules, with what `zero_bubble_problem` allows
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: bool = True
@@ -141,6 +142,10 @@ class Capabilities:
                         f"(leave {knob} out of --strategy to plan a run)")
         if strategy.schedule not in self.schedules:
             return f"the runtime has no {strategy.schedule} schedule"
+        if strategy.schedule in ZERO_BUBBLE_SCHEDULES and strategy.pp > 1:
+            reason = zero_bubble_problem(strategy)
+            if reason:
+                return reason
         if strategy.zero not in self.zero_stages:
             return f"the runtime has no ZeRO stage {strategy.zero}"
         if strategy.recompute not in self.recompute:
@@ -220,6 +225,26 @@ def context_parallel_strategy_problem(strategy: Strategy) -> str | None:
                 f"zero=3 with cp > 1, not zero={s.zero}")
     if s.offload != "none":
         return "the runtime does not offload optimizer states with context parallelism: use offload=none with cp > 1"
+    return None
+
+
+def zero_bubble_problem(strategy: Strategy) -> str | None:
+    """Which of `strategy`'s other knobs torch's zero-bubble schedules (the backward split into an
+    input-gradient and a deferred weight-gradient pass) do not run with here, or None: what the parity
+    tests cover is pipeline stages alone, one dp replica, no recompute, eager."""
+    s = strategy
+    if s.tp > 1 or s.cp > 1 or s.ep > 1:
+        return (f"the runtime runs {s.schedule} on pipeline stages alone (its split backward is untested with tp, cp "
+                f"and ep collectives): use tp=cp=ep=1 or another schedule")
+    if s.dp > 1 or s.zero > 0:
+        return (f"the runtime runs {s.schedule} without data parallelism (gradient buckets and FSDP2 are untested with "
+                f"the deferred weight-gradient pass): use dp=1, zero=0 or another schedule")
+    if s.recompute != "none":
+        return (f"the runtime runs {s.schedule} without recompute (a checkpointed block would rebuild its activations "
+                f"in the input-gradient pass and again in the weight-gradient pass): use recompute=none")
+    if s.compile:
+        return (f"torch's {s.schedule} schedule refuses compiled stages (it splits the backward by autograd): "
+                f"compile=false")
     return None
 
 

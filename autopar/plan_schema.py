@@ -105,7 +105,10 @@ class Strategy(_Record):
     recompute: Literal["none", "selective", "full"] = "none"
     microbatch: int = Field(ge=1)
     num_microbatches: int = Field(ge=1)
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    # interleaved_zb and zbv split each backward into its input-gradient and weight-gradient passes
+    # (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): interleaved_zb keeps interleaved's
+    # loop placement (vp ≥ 1), zbv runs 2 stages per rank in a V (`stage_rank`), so it needs vp = 2.
+    schedule: Literal["gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv"] = "1f1b"
     vp: int = Field(default=1, ge=1)
     # Per stage (pp·vp, in stage order): how many of its first layers recompute with `recompute`;
     # the rest keep their activations. None: every layer does. Fewer recomputed layers trade
@@ -160,8 +163,11 @@ class Strategy(_Record):
             if len(self.recompute_layers) != self.pp * self.vp:
                 raise ValueError(f"recompute_layers lists {len(self.recompute_layers)} stages but pp x vp = "
                                  f"{self.pp * self.vp}")
-        if self.vp > 1 and self.schedule != "interleaved":
-            raise ValueError(f"vp={self.vp} virtual stages need schedule 'interleaved', not '{self.schedule}'")
+        if self.vp > 1 and self.schedule not in MULTI_STAGE_SCHEDULES:
+            raise ValueError(f"vp={self.vp} virtual stages need schedule 'interleaved', 'interleaved_zb' or 'zbv', "
+                             f"not '{self.schedule}'")
+        if self.schedule == "zbv" and self.vp != 2:
+            raise ValueError(f"schedule zbv runs exactly 2 stages per rank (V placement): it needs vp=2, not {self.vp}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallel (sp) splits along the tp group: it needs tp > 1")
         if self.cp == 1 and self.cp_kind != "ring":
@@ -295,7 +301,7 @@ class Plan(_Record):
             if stage.mesh_shape != stage_shape:
                 raise ValueError(f"stage {position} mesh_shape {stage.mesh_shape} is not the mesh without pp "
                                  f"({stage_shape})")
-        _check_stage_devices(self.stages, self.strategy.pp, world_size)
+        _check_stage_devices(self.stages, self.strategy.pp, world_size, self.strategy.schedule)
         _check_stage_modules(self.stages, self.recompute_modules)
         _check_schedule(self.strategy)
         # A parameter lives on one stage, so placements cover a stage's sub-mesh: every axis but pp.
@@ -332,13 +338,36 @@ class Plan(_Record):
         return cls.model_validate_json(text)
 
 
-def _check_stage_devices(stages: list[StagePlan], pp: int, world_size: int) -> None:
-    """Stage i runs on pipeline rank i mod pp, and pipeline rank r owns the r-th contiguous block of
-    the (pp, dp, cp, tp) row-major mesh: no device runs two pipeline ranks, none is left idle."""
+MULTI_STAGE_SCHEDULES = ("interleaved", "interleaved_zb", "zbv")
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", "zbv")  # backward split into input- and weight-gradient passes
+
+
+def stage_rank(index: int, pp: int, schedule: str) -> int:
+    """The pipeline rank running virtual stage `index`. Loop placement: stage i on rank i mod pp. zbv's
+    V placement: chunk c = i // pp runs down the ranks when even and back up when odd (Qi et al., ICLR
+    2024, §6), so rank r holds stages r and 2pp-1-r, and the first and last stage share rank 0."""
+    chunk, position = divmod(index, pp)
+    if schedule == "zbv" and chunk % 2:
+        return pp - 1 - position
+    return position
+
+
+def rank_stage_indices(pp: int, stages: int, schedule: str) -> list[list[int]]:
+    """Per pipeline rank, the virtual stages it runs, in stage order (`stage_rank` inverted)."""
+    held: list[list[int]] = [[] for _ in range(pp)]
+    for index in range(stages):
+        held[stage_rank(index, pp, schedule)].append(index)
+    return held
+
+
+def _check_stage_devices(stages: list[StagePlan], pp: int, world_size: int, schedule: str = "1f1b") -> None:
+    """Stage i runs on pipeline rank `stage_rank(i)` (i mod pp but under zbv), and pipeline rank r owns
+    the r-th contiguous block of the (pp, dp, cp, tp) row-major mesh: no device runs two pipeline
+    ranks, none is left idle."""
     block = world_size // pp
     owner: dict[int, int] = {}
     for stage in stages:
-        rank = stage.index % pp
+        rank = stage_rank(stage.index, pp, schedule)
         for device in stage.device_ids:
             if owner.setdefault(device, rank) != rank:
                 raise ValueError(f"device {device} runs stages of pipeline ranks {owner[device]} and {rank} (stage "
@@ -346,7 +375,8 @@ def _check_stage_devices(stages: list[StagePlan], pp: int, world_size: int) -> N
         expected = list(range(rank * block, (rank + 1) * block))
         if sorted(stage.device_ids) != expected:
             raise ValueError(f"stage {stage.index} runs on devices {stage.device_ids}, but pipeline rank {rank} "
-                             f"(stage i on rank i mod pp={pp}) owns devices {expected} of the pp x dp x cp x tp mesh")
+                             f"(placement of schedule {schedule}, pp={pp}) owns devices {expected} of the pp x dp x cp x "
+                             f"tp mesh")
 
 
 def _check_stage_modules(stages: list[StagePlan], recompute_modules: list[str]) -> None:
@@ -376,11 +406,11 @@ def _check_stage_modules(stages: list[StagePlan], recompute_modules: list[str]) 
 def _check_schedule(strategy: Strategy) -> None:
     """What torch's pipeline schedules need of the micro-batch count (as the searcher plans it)."""
     s = strategy
-    if s.pp > 1 and s.schedule in ("1f1b", "interleaved") and s.num_microbatches < s.pp:
+    if s.pp > 1 and s.schedule in ("1f1b", "interleaved", *ZERO_BUBBLE_SCHEDULES) and s.num_microbatches < s.pp:
         raise ValueError(f"schedule {s.schedule} needs at least pp={s.pp} micro-batches, the plan has "
                          f"{s.num_microbatches}")
-    if s.pp > 1 and s.schedule == "interleaved" and s.num_microbatches % s.pp:
-        raise ValueError(f"schedule interleaved needs the micro-batch count ({s.num_microbatches}) divisible by "
+    if s.pp > 1 and s.schedule in ("interleaved", "interleaved_zb") and s.num_microbatches % s.pp:
+        raise ValueError(f"schedule {s.schedule} needs the micro-batch count ({s.num_microbatches}) divisible by "
                          f"pp={s.pp}")
 
 

@@ -41,7 +41,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from autopar.plan_schema import Strategy
+from autopar.plan_schema import Strategy, stage_rank
 from autopar.cost_models.context import AttentionLayer, rank_batch, replica_axis, replicas, unit_exchanges
 from autopar.cost_models.experts import (ExpertLayer, all_to_all_axis, fsdp_expert_elements, unit_all_to_alls,
                                          unit_expert_params)
@@ -78,7 +78,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
     and the gradient sync and ZeRO's collectives span dp × cp ("dp_cp").
     """
     s = strategy
-    tied = tied_across_ranks(stages, s.pp, s.tp)[pp_rank]
+    tied = tied_across_ranks(stages, s.pp, s.tp, s.schedule)[pp_rank]
     calls: Counter = Counter()
     sent: Counter = Counter()
 
@@ -90,7 +90,7 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
     weight_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
     m, b = s.num_microbatches, rank_batch(s)  # b: one rank's positions, in sequences (b/cp under cp)
     copies, dp_axis = replicas(s), replica_axis(s)
-    mine = [i for i in range(len(stages)) if i % s.pp == pp_rank]
+    mine = [i for i in range(len(stages)) if stage_rank(i, s.pp, s.schedule) == pp_rank]
     last = len(stages) - 1
     for index in mine:
         units = stages[index]
@@ -124,11 +124,13 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                     add(all_to_all_axis(s), "all_to_all", size, m * per_pass)
         if s.pp > 1:
             shard = s.tp if s.sp else 1
-            if index > 0 and units:
+            # zbv's V turns at the last rank: two stages there hand their tensors over in place
+            same_rank = [stage_rank(i, s.pp, s.schedule) == pp_rank for i in (index - 1, index + 1)]
+            if index > 0 and units and not same_rank[0]:
                 for tensor in units[0].cut:
                     add("pp", "recv", tensor.bytes_for(b) / shard, m)  # activations in
                     add("pp", "send", tensor.bytes_for(b) / shard, m if tensor.grad else 0)  # their gradients back
-            if index < last and stages[index + 1]:
+            if index < last and stages[index + 1] and not same_rank[1]:
                 for tensor in stages[index + 1][0].cut:
                     add("pp", "send", tensor.bytes_for(b) / shard, m)
                     add("pp", "recv", tensor.bytes_for(b) / shard, m if tensor.grad else 0)
@@ -184,15 +186,15 @@ def vocab_parallel_head_collectives(strategy: Strategy, precision: str, seq_len:
     return [("all_reduce", s.microbatch * positions * SCALAR_BYTES, LOSS_PARALLEL_REDUCTIONS)]
 
 
-def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int) -> list[dict]:
+def tied_across_ranks(stages: list[list[Unit]], pp: int, tp: int, schedule: str = "1f1b") -> list[dict]:
     """Per pipeline rank: "copies" [(stage index, tp-local elements)] of tied weights it holds
     but another rank owns, and "summed": tp-local elements of tied weights whose gradient it sums
     with other ranks (owner and holders alike)."""
-    rank_of_unit = {u.name: i % pp for i, units in enumerate(stages) for u in units}
+    rank_of_unit = {u.name: stage_rank(i, pp, schedule) for i, units in enumerate(stages) for u in units}
     result = [{"copies": [], "summed": 0.0} for _ in range(pp)]
     seen: set[tuple[str, int]] = set()
     for index, units in enumerate(stages):
-        rank = index % pp
+        rank = stage_rank(index, pp, schedule)
         for unit in units:
             for owner, elements, sharded in unit.borrowed:
                 owner_rank = rank_of_unit.get(owner)

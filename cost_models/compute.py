@@ -168,6 +168,7 @@ class UnitTime:
     backward_collectives: tuple[tuple[str, float], ...] = ()
     forward_matmul_s: float = 0.0  # the GEMMs' part: what overlapped tp collectives hide behind
     backward_matmul_s: float = 0.0
+    backward_weight_s: float = 0.0  # the weight-gradient GEMMs (`OpFacts.weight_gradient`)
 
 
 def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: float, tp: int, sp: bool,
@@ -193,4 +194,6 @@ def unit_time(unit: Unit, gpu: GpuSpec, dtype: str, *, batch: float, tp: int, sp
         backward_collectives=tuple((kind, size * batch) for op in unit.backward_ops for kind, size in op.collectives),
         forward_matmul_s=total(unit.forward_ops, {"matmul"}),
         backward_matmul_s=total(unit.backward_ops, {"matmul"}),
+        backward_weight_s=sum(op_time_s(op, gpu, dtype, batch=batch, tp=tp, sp=sp, efficiency=efficiency)
+                              for op in unit.backward_ops if op.weight_gradient),
     )

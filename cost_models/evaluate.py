@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from autopar.cluster import ClusterSpec
-from autopar.plan_schema import Strategy
+from autopar.plan_schema import Strategy, rank_stage_indices
 from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_parallel_gradient_reductions,
                                              tied_across_ranks)
 from autopar.cost_models.communication import collective_time_s, group_layout
@@ -134,7 +134,7 @@ def evaluate(
                       dp_layout=sync_layout(s, cluster.gpus_per_node), vocab=vocab,
                       recompute_repeats=recompute_repeats, tp_step=tp_step, selective_repeats=selective_repeats)
     prices = price_stages(pricing, stages_units)
-    tied_ranks = tied_across_ranks(stages_units, s.pp, s.tp)
+    tied_ranks = tied_across_ranks(stages_units, s.pp, s.tp, s.schedule)
     rank_params = list(prices.rank_params)
     for rank, tied in enumerate(tied_ranks):
         rank_params[rank] += sum(elements for _, elements in tied["copies"])  # a tied head's copy of the embedding
@@ -160,11 +160,14 @@ def run_pipeline(pricing: Pricing, prices: StagePrices, stages_units: list[list[
     return (simulate if exact else estimate)(
         [c.forward_s for c in stage_costs], [c.backward_s for c in stage_costs], s.num_microbatches, s.schedule,
         pp=s.pp, vp=s.vp, p2p_s=p2p, stage_weight=[c.activation_bytes for c in stage_costs],
+        weight_s=[c.backward_weight_s for c in stage_costs],
     )
 
 
 def rank_stages(strategy: Strategy, stages: int) -> list[range]:
-    """The virtual stages each pipeline rank runs: stage i runs on rank i % pp."""
+    """The virtual stages each pipeline rank runs: stage i runs on rank i % pp (zbv: `plan_schema.stage_rank`)."""
+    if strategy.schedule == "zbv":
+        return rank_stage_indices(strategy.pp, stages, strategy.schedule)
     return [range(rank, stages, strategy.pp) for rank in range(strategy.pp)]
 
 

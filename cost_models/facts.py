@@ -50,6 +50,9 @@ class OpFacts:
     # the four grows with the micro-batch and which tp divides (index, or -1: none). None when the
     # shape is not known (convolutions): the roofline then prices it at the large-GEMM efficiency.
     gemm: GemmShape | None = None
+    # A backward GEMM computing a weight's gradient (`weight_gradient_ops`): the W pass a zero-bubble
+    # schedule runs apart from the input-gradient pass.
+    weight_gradient: bool = False
 
     def reduce_bytes_for(self, batch: float, share: float = 1.0) -> float:
         """`share`: of each sequence's positions, the rank's (1/cp under context parallelism): a
@@ -191,9 +194,11 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
 
     tokens = max(graph.batch, 1) * (graph.seq_len or 1)
     ops_by_unit: dict[str, list[OpFacts]] = {}
+    weight_gradients = weight_gradient_ops(graph)
     for node in graph.nodes:
         ops_by_unit.setdefault(unit_of[node.name], []).append(
-            _op_facts(node, status, param_bytes, per_sample, _gemm_shape(node, status, sharded, graph.batch, tokens))
+            _op_facts(node, status, param_bytes, per_sample, _gemm_shape(node, status, sharded, graph.batch, tokens),
+                      node.name in weight_gradients)
         )
     order = list(dict.fromkeys(unit_of[n.name] for n in graph.nodes if n.phase == "forward"))
     order += [name for name in ops_by_unit if name not in order]
@@ -284,8 +289,21 @@ def _gemm_shape(node: OpNode, status: dict, sharded: set[str], batch: int, token
     return GemmShape((dims[0], dims[1], dims[2], dims[3]), scaled, split)
 
 
+def weight_gradient_ops(graph: OpGraph) -> set[str]:
+    """The backward GEMMs computing a weight's gradient (the W pass of Qi et al., "Zero Bubble Pipeline
+    Parallelism", ICLR 2024, §2): they read no parameter and produce a tensor shaped like a parameter
+    (or its transpose) of the module they differentiate; the input-gradient GEMMs (B) read the weight."""
+    shapes: dict[str, set[tuple[int, ...]]] = {}
+    for param in graph.params:
+        for name in (param.name, *param.aliases):  # a tied head differentiates the embedding's weight
+            shapes.setdefault(name.rpartition(".")[0], set()).update({tuple(param.shape), tuple(param.shape[::-1])})
+    return {node.name for node in graph.nodes
+            if node.phase == "backward" and node.flops and not node.params and not is_attention(node)
+            and node.output_meta and tuple(node.output_meta[0].shape) in shapes.get(node.module_path, ())}
+
+
 def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sample: float,
-              gemm: GemmShape | None = None) -> OpFacts:
+              gemm: GemmShape | None = None, weight_gradient: bool = False) -> OpFacts:
     out, reduce_bytes = status[node.name]
     weight = float(sum(param_bytes.get(p, 0) for p in node.params))
     moved = max(node.bytes_read + node.bytes_written - weight, 0.0)
@@ -306,5 +324,5 @@ def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sampl
         activation_bytes=moved * per_sample, weight_bytes=weight, tp_sharded=sharded,
         reduce_bytes=reduce_bytes if unbatched else reduce_bytes * per_sample,
         saved_bytes=node.saved_bytes * per_sample, saved_sharded=out == "S", reduce_per_microbatch=unbatched,
-        gemm=gemm if kind == "matmul" else None,
+        gemm=gemm if kind == "matmul" else None, weight_gradient=weight_gradient,
     )

@@ -5,7 +5,8 @@ A schedule is the order in which each rank runs forward (F) and backward (B) pas
 (virtual) stages; the simulator starts each pass when its rank is free and its input has arrived
 (F of the previous stage, or B of the next, plus the point-to-point transfer time). The orders
 follow GPipe (all forwards, then all backwards), 1F1B (Narayanan et al., PipeDream-Flush, 2021)
-and interleaved 1F1B with v virtual stages per rank (Narayanan et al., SC'21, §2.2).
+and interleaved 1F1B with v virtual stages per rank (Narayanan et al., SC'21, §2.2); the zero-bubble
+schedules, whose backward is split into input- and weight-gradient passes, are in `zero_bubble`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES += ("interleaved_zb", "zbv")  # `cost_models.zero_bubble`
 
 
 @dataclass(frozen=True)
 class Pass:
     rank: int
-    kind: str  # "F" or "B"
+    kind: str  # "F" or "B" (the whole backward; under a zero-bubble schedule its input-gradient part), or "W"
     stage: int  # virtual stage index: rank + chunk * pp
     microbatch: int
     start_s: float
@@ -40,6 +42,9 @@ class PipelineResult:
 
 def rank_order(schedule: str, rank: int, pp: int, num_microbatches: int, vp: int = 1) -> list[tuple[str, int, int]]:
     """The (kind, chunk, microbatch) passes rank `rank` runs, in order."""
+    if schedule in ("interleaved_zb", "zbv"):
+        from autopar.cost_models.zero_bubble import zero_bubble_order
+        return zero_bubble_order(schedule, rank, pp, num_microbatches, vp)
     m = num_microbatches
     if schedule == "gpipe":
         return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
@@ -75,12 +80,18 @@ def simulate(
     vp: int = 1,
     p2p_s: float = 0.0,
     stage_weight: list[float] | None = None,
+    weight_s: list[float] | None = None,
 ) -> PipelineResult:
     """`forward_s[s]`, `backward_s[s]`: one micro-batch's pass on virtual stage s (len pp·vp).
 
     `stage_weight[s]` is what one held micro-batch costs on stage s (e.g. activation bytes); the
-    result's peak_in_flight is the peak of their sum per rank.
+    result's peak_in_flight is the peak of their sum per rank. `weight_s[s]`: the weight-gradient
+    part of `backward_s[s]`, which the zero-bubble schedules run as a pass of its own.
     """
+    if schedule in ("interleaved_zb", "zbv"):
+        from autopar.cost_models.zero_bubble import simulate_split_backward
+        return simulate_split_backward(forward_s, backward_s, weight_s, num_microbatches, schedule, pp=pp, vp=vp,
+                                       p2p_s=p2p_s, stage_weight=stage_weight)
     stages = pp * vp
     assert len(forward_s) == len(backward_s) == stages
     weights = stage_weight or [1.0] * stages
@@ -150,6 +161,7 @@ def estimate(
     vp: int = 1,
     p2p_s: float = 0.0,
     stage_weight: list[float] | None = None,
+    weight_s: list[float] | None = None,
 ) -> PipelineResult:
     """Closed-form stand-in for `simulate`, exact for uniform stages and no transfer time.
 
@@ -157,6 +169,10 @@ def estimate(
     average rank, divided by vp when interleaved (Narayanan et al., SC'21, §2.2). Used to rank many
     candidates quickly; the chosen ones are simulated.
     """
+    if schedule in ("interleaved_zb", "zbv"):
+        from autopar.cost_models.zero_bubble import estimate_split_backward
+        return estimate_split_backward(forward_s, backward_s, weight_s, num_microbatches, schedule, pp=pp, vp=vp,
+                                       p2p_s=p2p_s, stage_weight=stage_weight)
     m = num_microbatches
     weights = stage_weight or [1.0] * (pp * vp)
     per_rank = [sum(forward_s[r + c * pp] + backward_s[r + c * pp] for c in range(vp)) for r in range(pp)]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.cluster import ClusterSpec
-from autopar.plan_schema import Strategy
+from autopar.plan_schema import Strategy, stage_rank
 from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
                                              vocab_parallel_head_collectives)
 from autopar.cost_models.communication import GroupLayout, collective_time_s
@@ -62,6 +62,9 @@ class StageCost:
     activation_bytes: float  # one micro-batch's saved activations
     transient_bytes: float  # what recompute rebuilds for the layer being differentiated: once, not per micro-batch
     recomputed_layers: int = 0
+    # the weight-gradient GEMMs' part of backward_s (`compute.UnitTime.backward_weight_s`): the W pass
+    # a zero-bubble schedule defers (`cost_models.zero_bubble`)
+    backward_weight_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -285,7 +288,7 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
     rank_largest = [0.0] * s.pp
     rank_experts = [0.0] * s.pp
     for index, units in enumerate(stages_units):
-        rank = index % s.pp
+        rank = stage_rank(index, s.pp, s.schedule)
         policies = stage_policies(units, s, index)
         parts = [unit_part(pricing, unit, policy) for unit, policy in zip(units, policies)]
         forward = sum(p.forward_s for p in parts)
@@ -311,7 +314,8 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
             index, rank, tuple(u.name for u in units), forward + forward_comm + zero3_forward + ep_forward + cp_forward,
             backward + backward_comm + recompute_extra + zero3_backward + ep_backward + cp_backward,
             sum(p.activation_bytes for p in parts), max((p.transient_bytes for p in parts), default=0.0),
-            sum(policy != "none" for policy in policies)))
+            sum(policy != "none" for policy in policies),
+            sum(pricing.timed(unit).backward_weight_s for unit in units)))
         compute.append(forward + backward)
         recompute.append(recompute_extra)
         tp_comm.append(forward_comm + backward_comm + zero3_forward + zero3_backward)

@@ -12,7 +12,8 @@ STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers"
                  "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "zero3_fetch", "offload", "ep",
                  "cp", "cp_kind", "optimizer_impl", "compile")
 _SWITCHES = ("sp", "dp_overlap", "tp_overlap", "compile")
-_CHOICES = {"recompute": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved"),
+_CHOICES = {"recompute": ("none", "selective", "full"),
+            "schedule": ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv"),
             "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16"), "zero3_fetch": ("unit", "parameter"),
             "offload": ("none", "optimizer"), "cp_kind": ("ring", "ulysses"), "optimizer_impl": ("fused", "foreach")}
 
@@ -124,7 +125,7 @@ def check_strategy(
     if s.num_microbatches * s.dp * s.microbatch != global_batch:
         raise AutoparError(f"num_microbatches {s.num_microbatches} × dp {s.dp} × microbatch {s.microbatch} "
                            f"≠ global batch {global_batch}")
-    if s.schedule in ("1f1b", "interleaved") and s.pp > 1 and s.num_microbatches < s.pp:
+    if s.schedule in ("1f1b", "interleaved", "interleaved_zb", "zbv") and s.pp > 1 and s.num_microbatches < s.pp:
         raise AutoparError(f"{s.schedule} needs at least pp={s.pp} micro-batches, got {s.num_microbatches}: "
                            f"raise the global batch or lower the micro-batch size")
     if s.recompute_layers is not None and s.pp * s.vp <= layers:
@@ -133,8 +134,8 @@ def check_strategy(
         if over:
             raise AutoparError(f"recompute_layers asks stage {over[0]} to recompute {s.recompute_layers[over[0]]} "
                                f"layers but it holds {sizes[over[0]]}: give at most {'/'.join(map(str, sizes))}")
-    if s.schedule == "interleaved" and s.num_microbatches % s.pp:
-        raise AutoparError(f"interleaved needs the micro-batch count ({s.num_microbatches}) divisible by pp={s.pp}")
+    if s.schedule in ("interleaved", "interleaved_zb") and s.num_microbatches % s.pp:
+        raise AutoparError(f"{s.schedule} needs the micro-batch count ({s.num_microbatches}) divisible by pp={s.pp}")
 
 
 def check_fixed_degrees(fixed: dict[str, Any], world_size: int) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.errors import AutoparError
-from autopar.plan_schema import Plan
+from autopar.plan_schema import Plan, stage_rank
 
 AXES = ("pp", "dp", "cp", "tp")
 OPTIONAL_AXES = ("cp",)  # absent from a plan: size 1
@@ -97,11 +97,12 @@ def build_layout(plan: Plan) -> RankLayout:
     stage_size = sizes["dp"] * sizes["cp"] * sizes["tp"]
     stages = [s.index for s in plan.stages if rank in s.device_ids]
     for s in plan.stages:  # the mesh is (pp, dp, cp, tp) row-major: stage rank r owns a contiguous block
-        block = set(range((s.index % sizes["pp"]) * stage_size, (s.index % sizes["pp"] + 1) * stage_size))
+        pp_rank = stage_rank(s.index, sizes["pp"], plan.strategy.schedule)
+        block = set(range(pp_rank * stage_size, (pp_rank + 1) * stage_size))
         if set(s.device_ids) != block:
             raise AutoparError(
                 f"plan stage {s.index} runs on devices {s.device_ids}, but the runtime places pipeline rank "
-                f"{s.index % sizes['pp']} on devices {sorted(block)}: re-run `autopar plan`"
+                f"{pp_rank} on devices {sorted(block)}: re-run `autopar plan`"
             )
     coordinate = mesh.get_coordinate()
     return RankLayout(mesh=mesh, stage_indices=stages, pp_rank=coordinate[0], dp_rank=coordinate[1],

@@ -39,7 +39,7 @@ from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.optimizer import build_optimizer
 from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
-                                               tied_gradient_groups)
+                                               retie_across_stages, tied_gradient_groups)
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
@@ -167,9 +167,11 @@ class ParallelModel:
         per parameter: a launch-bound step pays for each)."""
         tied = {name: len(ranks) for name, _, ranks in self.tied_groups}
         groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
+        seen: set[int] = set()  # a weight two of this rank's stages share (zbv's embedding and head): once
         for name, param in self.named_parameters().items():
-            if param.grad is None:
+            if param.grad is None or id(param) in seen:
                 continue
+            seen.add(id(param))
             grad = param.grad
             if isinstance(grad, DTensor):
                 copies = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
@@ -339,9 +341,11 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     context: ContextParallel | None = None
     expert_names: list[str] = []
     shared: dict = {}  # this rank's stages share the copies of what they share (a tied weight)
+    identities: list[dict[str, int]] = []  # per local stage: parameter name -> the object it was built as
     for index in layout.stage_indices:
         # 2. pipeline stage: the modules of this stage only (the whole model when pp=1)
         module = cut.stage_module(model, index, layout.device, shared) if cut else copy.deepcopy(model)
+        identities.append({name: id(p) for name, p in module.named_parameters(remove_duplicate=False)})
         # 3. tensor / sequence parallel over the tp axis
         if s.tp > 1:
             apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path,
@@ -367,6 +371,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         if compile and whole_stage_problem(s) is not None:  # 8b. compile each block, inside every wrapper above
             compile_blocks(module, blocks)
         modules.append(module)
+    retie_across_stages(modules, identities)  # 8c. materialized apart, a weight two local stages share is one again
 
     # Pipeline schedules pass plain tensors between stages and to the loss: logits are gathered there.
     vocab_parallel = s.tp > 1 and s.pp == 1 and head_path is not None and placements.get(
@@ -384,7 +389,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     replicas = layout.gradient_mesh().size()  # dp, or dp x cp: the ranks holding the same weights
     buckets = s.zero == 0 and replicas > 1
     if cut is not None:  # 9. the pipeline schedule over this rank's stages
-        parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters())
+        parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters(), s.schedule)
         parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
                                            layout.group("pp"), s.schedule, s.num_microbatches, loss_fn,
                                            scale_grads=not buckets, zero=s.zero if replicas > 1 else 0)

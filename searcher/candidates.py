@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
-from autopar.plan_schema import Strategy
+from autopar.plan_schema import ZERO_BUBBLE_SCHEDULES, Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.evaluate import Evaluation, evaluate, partition, with_fewest_recomputed_layers
 from autopar.cost_models.experts import fewest_experts
@@ -28,6 +28,12 @@ from autopar.cost_models.strategy import check_fixed_degrees, check_strategy
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 VP_CHOICES = (2, 3, 4, 6, 8)
+
+
+def zero_bubble_vps(schedule: str) -> tuple[int, ...]:
+    """Virtual stages per rank the zero-bubble schedules run: zbv's V is 2 chunks; interleaved_zb is
+    ZB-H1 at 1 (Qi et al., ICLR 2024, §3.1) and takes interleaved's choices above it; the others 1."""
+    return {"zbv": (2,), "interleaved_zb": (1, *VP_CHOICES)}.get(schedule, (1,))
 CP_KINDS = ("ring", "ulysses")
 # Context parallelism is offered for long sequences only, so that ordinary searches enumerate what they
 # did (`--strategy cp=N` prices any length). Below 16K positions tp, sp and recompute fit a sequence's
@@ -89,11 +95,11 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
             choices("microbatch", microbatches), choices("zero", (0, 1, 2, 3)),
             choices("recompute", ("none", "selective", "full")),
             choices("sp", (False, True) if tp > 1 else (False,)),
-            choices("schedule", ("1f1b", "interleaved", "gpipe") if pp > 1 else ("1f1b",)),
+            choices("schedule", ("1f1b", "interleaved", "gpipe", *ZERO_BUBBLE_SCHEDULES) if pp > 1 else ("1f1b",)),
         ):
             if zero > 0 and dp * cp == 1 and "zero" not in fixed and offload == "none":
                 continue  # nothing to shard over (offload needs FSDP2, at any dp)
-            vps = choices("vp", VP_CHOICES if schedule == "interleaved" else (1,))
+            vps = choices("vp", VP_CHOICES if schedule == "interleaved" else zero_bubble_vps(schedule))
             eps = choices("ep", [d for d in _divisors(dp) if experts and experts % d == 0] or [1])
             kinds = choices("cp_kind", CP_KINDS if cp > 1 else ("ring",))
             for vp, ep, cp_kind in product(vps, eps, kinds):

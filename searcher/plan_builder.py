@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from autopar.cluster import ClusterSpec
 from autopar.graph.ir import OpGraph
-from autopar.plan_schema import CollectiveRecord, MeshAxis, ModelInput, Plan, PredictedMetrics, Provenance, StagePlan
+from autopar.plan_schema import (CollectiveRecord, MeshAxis, ModelInput, Plan, PredictedMetrics, Provenance, StagePlan,
+                                 stage_rank)
 from autopar.cost_models.collectives import step_collectives
 from autopar.cost_models.placed_collectives import placed_units
 from autopar.cost_models.facts import ModelFacts
@@ -21,7 +22,7 @@ def build_plan(candidate: Candidate, graph: OpGraph, facts: ModelFacts, cluster:
     stage_mesh = {"dp": s.dp, **({"cp": s.cp} if s.cp > 1 else {}), "tp": s.tp}
     stages = []
     for index, units in enumerate(candidate.stages):
-        rank = index % s.pp
+        rank = stage_rank(index, s.pp, s.schedule)
         paths: list[str] = []
         for unit in units:
             paths.extend([unit.name] if unit.layer_type is not None else owned.get(unit.name, []))

@@ -7,7 +7,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
-from autopar.plan_schema import Plan, Strategy
+from autopar.plan_schema import Plan, Strategy, stage_rank
 from autopar.report.model import (MESH_ORDER, Breakdown, ClusterInfo, EvaluationReport, LinkInfo, MemoryParts,
                                   MeshAxisInfo, MeshInfo, MeshLinks, MfuBasis, PipelineInfo, Predicted, Report,
                                   SearchStats, ShardingRow, StageRow, WhyNotRow)
@@ -76,7 +76,7 @@ def checkpoint_cost(candidate: Any, cluster: ClusterSpec, hash_bytes_per_s: floa
         hash_bytes_per_s = sha256_bytes_per_s()
     params = [0] * s.pp
     for index, units in enumerate(stages):
-        params[index % s.pp] += sum(unit.params for unit in units)
+        params[stage_rank(index, s.pp, s.schedule)] += sum(unit.params for unit in units)
     per_gpu = s.dp * s.cp * s.tp
     bytes_per_rank = [CHECKPOINT_BYTES_PER_PARAM * count / per_gpu for count in params]
     per_device = [bytes_per_rank[rank // per_gpu] for rank in range(s.pp * per_gpu)]
@@ -110,7 +110,8 @@ def evaluation_report(candidate: Any) -> EvaluationReport:
             memory_headroom_bytes=e.headroom_bytes, host_memory_bytes=e.host_memory_bytes,
             host_capacity_bytes=e.host_capacity_bytes),
         stages=[StageRow(index=st.index, rank=st.rank, units=list(st.units), forward_s=st.forward_s,
-                         backward_s=st.backward_s, recomputed_layers=st.recomputed_layers, layers=count)
+                         backward_s=st.backward_s, backward_weight_s=st.backward_weight_s,
+                         recomputed_layers=st.recomputed_layers, layers=count)
                 for st, count in zip(e.stages, layers)],
     )
 

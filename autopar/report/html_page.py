@@ -19,6 +19,7 @@ from autopar.report.compare import ComparisonRow
 from autopar.report.model import MEMORY_PARTS, Report
 from autopar.report.svg import breakdown_svg, group_rows, memory_svg, mesh_svg, timeline_svg
 from autopar.report.timeline import idle_s, makespan_s, timeline
+from autopar.report.views import placement_text
 from autopar.report.views import (GiB, checkpoint_lines, compact_units, context_text, counts_text, format_value,
                                   mfu_label, mfu_text, obvious_rows, offload_text, rank_rows, recompute_text,
                                   runner_up_reasons)
@@ -120,8 +121,8 @@ def _stages_section(report: Report) -> str:
                      escape(compact_units(row.units)), f"{row.forward_s * 1e3:.2f}", f"{row.backward_s * 1e3:.2f}",
                      f"{(row.forward_s + row.backward_s) * s.num_microbatches * 1e3:.1f}",
                      f"{memory[row.rank] / GiB:.1f}", escape(recompute_text(row, s))])
-    note = (f'<p class="note">{s.pp * s.vp} virtual stages, {s.vp} per pipeline rank (stage i runs on rank i mod '
-            f'{s.pp}); times are one micro-batch on one GPU, summed over the rank\'s stages.</p>' if s.vp > 1 else "")
+    placement = escape(placement_text(s, "runs on"))
+    note = (f'<p class="note">{s.pp * s.vp} virtual stages, {s.vp} per pipeline rank ({placement}); times are one micro-batch on one GPU, summed over the rank\'s stages.</p>' if s.vp > 1 else "")
     return note + _table(["pp rank", "GPUs", "stages", "modules", "fwd ms", "bwd ms",
                           f"× {s.num_microbatches} micro-batches, ms", "peak GiB", "recomputed layers"], rows,
                          "stage-table", numeric={0, 4, 5, 6, 7})

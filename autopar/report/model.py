@@ -110,10 +110,11 @@ class StageRow(_Part):
     """One (virtual) stage; times are one micro-batch's passes on one GPU, communication inside included."""
 
     index: int
-    rank: int  # pipeline rank: stage i runs on rank i mod pp
+    rank: int  # pipeline rank: stage i runs on rank i mod pp (zbv: `plan_schema.stage_rank`)
     units: list[str]
     forward_s: float
     backward_s: float
+    backward_weight_s: float = 0.0  # the weight-gradient part of backward_s (zero-bubble schedules' W)
     recomputed_layers: int = 0
     layers: int | None = None  # repeated layers among its units (what recompute counts count)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from autopar.plan_schema import stage_rank
 from autopar.report.model import Report
 from autopar.report.timeline import p2p_s, timeline
 
@@ -61,12 +62,14 @@ def trace_events(report: Report) -> dict[str, Any]:
                  "forward" if forward else "backward", x.rank, COMPUTE_TID, start_us, end_us - start_us,
                  microbatch=x.microbatch, virtual_stage=x.stage, includes=included)
         target = x.stage + 1 if forward else x.stage - 1
-        if pp > 1 and p2p_us > 0 and 0 <= target < stages:
+        # a W pass sends nothing; zbv's V hands over in place where it turns
+        if pp > 1 and p2p_us > 0 and 0 <= target < stages and x.kind != "W" \
+                and stage_rank(target, pp, s.schedule) != x.rank:
             tid = _lane(lanes, x.rank, SEND_TID, end_us, end_us + p2p_us)
             send_lanes.add((x.rank, tid))
             complete(f"send {'activations' if forward else 'gradients'} mb{x.microbatch} → stage{target}",
                      "p2p", x.rank, tid, end_us, p2p_us, microbatch=x.microbatch, to_stage=target,
-                     to_rank=target % pp)
+                     to_rank=stage_rank(target, pp, s.schedule))
     pipeline = report.pipeline
     sync_s = pipeline.exposed_sync_s if pipeline is not None else [0.0] * pp
     optimizer_s = pipeline.optimizer_s if pipeline is not None else [report.predicted.breakdown.optimizer] * pp

@@ -25,6 +25,8 @@ BREAKDOWN_COLOURS = {"compute": "#4e79a7", "recompute": "#edc948", "exposed_comm
 DETAIL_NODES = 2  # nodes drawn GPU by GPU; the rest are cells in the grid
 RECT_LIMIT = 800  # passes drawn as separate rectangles (with tooltips) up to this many
 
+PASS_NAMES = {"F": "forward", "W": "weight-gradient"}  # "B": backward (input gradient under zero bubble)
+
 
 def _f(x: float) -> str:
     return f"{x:.1f}".rstrip("0").rstrip(".")
@@ -176,7 +178,8 @@ def timeline_svg(report: Report, passes: list[Pass]) -> str:
                 body.append(f'<rect x="{_f(x0 + tail * scale)}" y="{y}" width="{_f(max(seconds * scale, 1))}" '
                             f'height="{row_h}" fill="{colour}"><title>{label}: {seconds * 1e3:.1f} ms</title></rect>')
                 tail += seconds
-    shades = {"F": ["#9ecae1", "#6baed6", "#4292c6", "#2171b5"], "B": ["#fdae6b", "#fd8d3c", "#f16913", "#d94801"]}
+    shades = {"F": ["#9ecae1", "#6baed6", "#4292c6", "#2171b5"], "B": ["#fdae6b", "#fd8d3c", "#f16913", "#d94801"],
+              "W": ["#a1d99b", "#74c476", "#41ab5d", "#238b45"]}  # zero-bubble schedules' weight-gradient passes
     if len(passes) <= RECT_LIMIT:
         for x in passes:
             y = 4 + x.rank * (row_h + 4)
@@ -196,7 +199,7 @@ def timeline_svg(report: Report, passes: list[Pass]) -> str:
                 f'M{_f(x0 + x.start_s * scale)} {y}h{w:.2f}v{row_h}h-{w:.2f}z')
         for (rank, kind, chunk), parts in sorted(paths.items()):
             body.append(f'<path d="{"".join(parts)}" fill="{shades[kind][chunk % 4]}" stroke="#fff" stroke-width="0.3">'
-                        f'<title>pp {rank}: {"forward" if kind == "F" else "backward"} passes of chunk {chunk}</title></path>')
+                        f'<title>pp {rank}: {PASS_NAMES.get(kind, "backward")} passes of chunk {chunk}</title></path>')
     axis_y = 4 + pp * (row_h + 4) + 2
     body += _ticks(total, width, x0, axis_y)
     legend_y = axis_y + 24

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from autopar.cost_models.strategy import STRATEGY_KEYS
 from autopar.report.model import Report
+from autopar.report.views import placement_text
 from autopar.report.views import (GiB, checkpoint_lines, compact_units, mfu_label, mfu_text, obvious_rows,
                                   context_text, experts_text, offload_text, plural,
                                   rank_rows, recompute_text, runner_up_reasons, seconds_text, strategy_flag,
@@ -100,7 +101,7 @@ def _ranks(report: Report) -> str:
     s = report.strategy
     rows = rank_rows(report)
     interleaved = s.vp > 1
-    title = (f"pipeline ranks: {plural(s.pp, 'rank')}" + (f" × {s.vp} virtual stages (stage i on rank i mod {s.pp})"
+    title = (f"pipeline ranks: {plural(s.pp, 'rank')}" + (f" × {s.vp} virtual stages ({placement_text(s)})"
                                                          if interleaved else "")
              + "; fwd/bwd: one micro-batch on one GPU" + (", summed over the rank's stages" if interleaved else ""))
     header = ["rank"] + (["stages"] if interleaved else []) + ["modules", "fwd ms", "bwd ms", "recompute"]

@@ -27,7 +27,8 @@ def timeline(report: Report | EvaluationReport) -> list[Pass]:
     s = report.strategy
     stages = sorted(report.stages, key=lambda st: st.index)
     result = simulate([st.forward_s for st in stages], [st.backward_s for st in stages], s.num_microbatches,
-                      s.schedule, pp=s.pp, vp=s.vp, p2p_s=p2p_s(report))
+                      s.schedule, pp=s.pp, vp=s.vp, p2p_s=p2p_s(report),
+                      weight_s=[st.backward_weight_s for st in stages])
     return sorted(result.timeline, key=lambda x: (x.rank, x.start_s))
 
 

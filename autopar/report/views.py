@@ -257,3 +257,10 @@ def _decimal_bytes(value: float) -> str:
         if value >= scale:
             return f"{value / scale:.3g} {suffix}"
     return f"{value:.0f} B"
+
+
+def placement_text(s, verb: str = "on") -> str:
+    """Which pipeline rank runs which virtual stage (`plan_schema.stage_rank`), in words."""
+    if s.schedule == "zbv":
+        return f"a V: rank r runs stages r and {2 * s.pp - 1}-r"
+    return f"stage i {verb} rank i mod {s.pp}"

@@ -20,19 +20,22 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+                                                    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
-from autopar.plan_schema import Plan
+from autopar.plan_schema import MULTI_STAGE_SCHEDULES, Plan, stage_rank
 from autopar.runtime.init import _strip_wrappers
 from autopar.runtime.mesh import RankLayout
 from autopar.runtime.model_program import ModelProgram, capture_program
 from autopar.runtime.pipeline.split import ProgramSplit, StageGraph, split_program
 from autopar.runtime.pipeline.zero_stage import ZeroPipelineStage
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             # the backward split into input- then weight-gradient passes (Qi et al., ICLR 2024)
+             "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
 NON_LAYER_UNITS = ("pre", "post", "between.")
 
 
@@ -313,16 +316,22 @@ class PipelineRunner:
     """This rank's stages under a schedule: every stage gets the micro-batch of model inputs (to
     recompute masks and positions), the first nothing else, the last the loss's target."""
 
-    def __init__(self, schedule, input_names: list[str], is_last: bool) -> None:
+    def __init__(self, schedule, input_names: list[str], is_last: bool,
+                 average_once: tuple[nn.Parameter, ...] = (), num_microbatches: int = 1) -> None:
         self.schedule = schedule
         self.input_names = input_names
         self.is_last = is_last
+        self.average_once = average_once  # see `build_schedule`
+        self.num_microbatches = num_microbatches
 
     def step(self, local: torch.Tensor, losses: list) -> None:
         kwargs: dict[str, Any] = {self.input_names[0]: local}
         if self.is_last:
             kwargs.update(target=local, losses=losses)
         self.schedule.step(return_outputs=False, **kwargs)
+        for param in self.average_once:
+            if param.grad is not None:
+                param.grad.div_(self.num_microbatches)
 
 
 def build_schedule(cut: PipelineCut, stages: list[nn.Module], stage_indices: list[int], device: torch.device,
@@ -337,13 +346,48 @@ def build_schedule(cut: PipelineCut, stages: list[nn.Module], stage_indices: lis
     last = cut.split.stages[-1]
     stage_loss = _loss_on_leaves(loss_fn, cut.program, last.output_slots)
     kind = SCHEDULES[schedule]
-    if schedule == "interleaved":
+    # torch divides each stage's gradients by the micro-batch count, so a weight two of this rank's
+    # stages share (zbv's V puts the tied embedding and head on rank 0) would be divided twice: the
+    # runner then divides every weight once itself
+    shared = _shared_between(stages)
+    average_once = tuple({id(p): p for module in stages for p in module.parameters()}.values()) \
+        if scale_grads and shared else ()
+    scale_grads = scale_grads and not shared
+    if schedule in MULTI_STAGE_SCHEDULES:
         runner = kind(pipeline_stages, n_microbatches=num_microbatches, loss_fn=stage_loss, scale_grads=scale_grads)
     else:
         if len(pipeline_stages) != 1:
             raise AutoparError(f"schedule {schedule} runs one stage per rank, the plan gives {len(pipeline_stages)}")
         runner = kind(pipeline_stages[0], n_microbatches=num_microbatches, loss_fn=stage_loss, scale_grads=scale_grads)
-    return PipelineRunner(runner, cut.program.input_names, num_stages - 1 in stage_indices)
+    return PipelineRunner(runner, cut.program.input_names, num_stages - 1 in stage_indices, average_once,
+                          num_microbatches)
+
+
+def retie_across_stages(modules: list[nn.Module], identities: list[dict[str, int]]) -> None:
+    """Give every stage the first stage's parameter where they were built sharing one (`identities`:
+    per module, name -> id of the object at build time): materializing each stage on its own gave
+    each its own tensor, and a weight zbv's V puts twice on rank 0 (the tied embedding and head)
+    must stay one, as in the model, to get both stages' gradients."""
+    first: dict[int, nn.Parameter] = {}
+    for module, built in zip(modules, identities):
+        for name, key in built.items():
+            param = module.get_parameter(name)
+            if key not in first:
+                first[key] = param
+            elif param is not first[key]:
+                path, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(path) if path else module, attr, first[key])
+
+
+def _shared_between(stages: list[nn.Module]) -> bool:
+    """Whether a parameter object sits in more than one of these stage modules."""
+    seen: set[int] = set()
+    for module in stages:
+        mine = {id(p) for p in module.parameters()}
+        if mine & seen:
+            return True
+        seen |= mine
+    return False
 
 
 def _loss_on_leaves(loss_fn: Callable, program: ModelProgram, slots: list[int]) -> Callable:
@@ -375,7 +419,7 @@ def check_stage_cover(reference: nn.Module, cut: PipelineCut) -> None:
                            f"`autopar plan`, or drop them from the model")
 
 
-def tied_pp_ranks(reference: nn.Module, cut: PipelineCut, pp: int) -> dict[str, list[int]]:
+def tied_pp_ranks(reference: nn.Module, cut: PipelineCut, pp: int, schedule: str = "1f1b") -> dict[str, list[int]]:
     """Parameters held on more than one pipeline rank (under any of their names): canonical name -> those ranks."""
     canonical: dict[int, str] = {}
     names: dict[str, str] = {}
@@ -384,7 +428,7 @@ def tied_pp_ranks(reference: nn.Module, cut: PipelineCut, pp: int) -> dict[str, 
     ranks: dict[str, set[int]] = {}
     for index, held in enumerate(cut.holdings):
         for name in held:
-            ranks.setdefault(names[name], set()).add(index % pp)
+            ranks.setdefault(names[name], set()).add(stage_rank(index, pp, schedule))
     return {name: sorted(found) for name, found in sorted(ranks.items()) if len(found) > 1}
 
 
@@ -401,8 +445,8 @@ def microbatch_inputs(plan: Plan, example_inputs: tuple | None) -> tuple[torch.T
                  for spec in plan.model_inputs)
 
 
-def tied_gradient_groups(model: nn.Module, cut: PipelineCut, layout: RankLayout, local: dict[str, nn.Parameter]
-                         ) -> list[tuple[str, dist.ProcessGroup, list[int]]]:
+def tied_gradient_groups(model: nn.Module, cut: PipelineCut, layout: RankLayout, local: dict[str, nn.Parameter],
+                         schedule: str = "1f1b") -> list[tuple[str, dist.ProcessGroup, list[int]]]:
     """Process groups summing the gradients of weights held on several pipeline ranks (a tied
     embedding and head, a module two stages call): one name per weight on this rank (of `local`)."""
     groups = []
@@ -410,7 +454,7 @@ def tied_gradient_groups(model: nn.Module, cut: PipelineCut, layout: RankLayout,
     offset = layout.dp_rank * layout.size("tp") + layout.tp_rank
     first: dict[int, str] = {}
     canonical = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
-    for name, pp_ranks in tied_pp_ranks(model, cut, layout.size("pp")).items():
+    for name, pp_ranks in tied_pp_ranks(model, cut, layout.size("pp"), schedule).items():
         mine = None
         for position in range(stage_size):  # every rank creates every group, in the same order
             ranks = [r * stage_size + position for r in pp_ranks]
