@@ -232,7 +232,10 @@ def plan(
     say(f"searching {cluster.world_size} GPUs ({len(graph.nodes):,} ops traced in "
         f"{time.perf_counter() - started:.1f} s) ...")
     facts = model_facts(graph, heads=heads, kv_heads=kv_heads, vocab=vocab)
-    efficiency = _calibration(profile, profile_device, graph, cluster, say) if profile else None
+    efficiency = _calibration(profile, profile_device, graph, cluster, say,
+                              lambda batch: _capture(model, _batched(example_inputs, batch), loss_fn=loss_fn,
+                                                     precision=precision, name=name, seq_len=seq_len)[0],
+                              seq_len) if profile else None
     capabilities = _capabilities(model, example_inputs, loss_fn, precision, graph, facts, cluster, fixed)
     probe = None
     if cluster.world_size > 1 and fixed.get("pp") != 1 and not fallback:  # the cut tried on these inputs
@@ -348,8 +351,11 @@ def _capture(model: nn.Module, example_inputs: Any, **options) -> tuple[OpGraph,
                    f"runs): data parallelism and ZeRO only, no tensor or pipeline parallelism")
 
 
-def _calibration(path: str | Path, device: str | None, graph: OpGraph, cluster: ClusterSpec, say: Progress):
-    from autopar.cost_models.calibration import calibrate_from_database
+def _calibration(path: str | Path, device: str | None, graph: OpGraph, cluster: ClusterSpec, say: Progress,
+                 trace_at: Callable[[int], OpGraph] | None = None, seq_len: int | None = None):
+    """The roofline calibrated on the ops the profile holds; the graph is traced again at the batch the
+    profile was recorded at (`profiled_batch`) when that is not one sample, for calibration only."""
+    from autopar.cost_models.calibration import calibrate_from_database, profiled_batch
     from autopar.profiler.database import ProfileDB
 
     with ProfileDB(str(path), readonly=True) as db:
@@ -360,10 +366,27 @@ def _calibration(path: str | Path, device: str | None, graph: OpGraph, cluster: 
                 f"profile database {path} has no device {name!r} (it has: {', '.join(devices) or 'none'}): "
                 f"pass --profile-device with one of those, profiled on the cluster's GPU kind"
             )
+        batch = profiled_batch([record.signature_key for record in db.op_records(name)], seq_len)
+        if batch and batch > 1 and trace_at is not None:
+            say(f"tracing at batch {batch}, the profile's, to calibrate ...")
+            graph = trace_at(batch)
         calibration = calibrate_from_database(graph, db, cluster.gpu, name)
     measured = ", ".join(f"{k} from {n} ops" for k, n in calibration.samples.items() if n) or "nothing measured"
     say(f"roofline calibrated on {name}: {measured}")
     return calibration.efficiency
+
+
+def _batched(example_inputs: Any, batch: int) -> Any:
+    """`example_inputs` (one sample) with every tensor's leading dimension `batch` (meta: shapes only)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    def grow(value):
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == 1:
+            return torch.zeros((batch, *value.shape[1:]), dtype=value.dtype, device="meta")
+        return value
+
+    return pytree.tree_map(grow, example_inputs)
 
 
 def _matching_device(devices: list[str], gpu_name: str) -> str:

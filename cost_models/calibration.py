@@ -2,10 +2,15 @@
 (and for sharded shapes not measured) agrees with what the GPU measured.
 
 For the ops of a traced graph that the database holds for one device, at their traced shapes:
-- η_matmul: median achieved FLOP/s over peak, over the larger half (by FLOPs) of matmul ops;
+- η_matmul: the GEMM ceiling that, through the same shape model the predictions use (each small
+  dimension's penalty, `compute.gemm_efficiency`, and the misaligned-width factor), gives the median
+  achieved FLOP/s over peak of the larger half (by FLOPs) of matmul ops: the measured efficiency
+  divided by the shape's factor, so the penalty is not counted twice;
 - η_attention: the same over fused-attention ops;
 - η_memory: median achieved bytes/s over HBM bandwidth, over elementwise ops moving ≥ 1 MiB;
-- launch overhead: median time of elementwise ops moving < 64 KiB (their time is mostly launch).
+- launch overhead: median time of elementwise ops moving < 64 KiB (their time is mostly launch),
+  from at least `MIN_LAUNCH_SAMPLES` of them: a profile times each op alone, synchronized, so a
+  handful of tiny ops measures the timer's own latency more than a launch in a busy stream.
 A class with no samples keeps the documented default of `cost_models.compute.Efficiency`, and the
 result says which constants were measured and from how many ops.
 """
@@ -17,10 +22,12 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cluster import GpuSpec
 from autopar.graph.ir import OpGraph, OpNode
-from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, MISALIGNED_GEMM_FACTOR, Efficiency, gemm_efficiency
+from autopar.cost_models.tp_shards import CONTRACTIONS, op_packet
 
 _LARGE_BYTES = 2**20
 _SMALL_BYTES = 64 * 2**10
+MIN_LAUNCH_SAMPLES = 20
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,9 @@ def calibrate(graph: OpGraph, times_s: dict[str, float], gpu: GpuSpec, device_na
         measured = sorted(by_kind[kind], key=lambda item: item[0].flops, reverse=True)
         large = measured[: max(1, len(measured) // 2)] if measured else []
         if large:
-            values[kind] = min(1.0, statistics.median(n.flops / t / peak for n, t in large))
+            shape = (lambda n: _gemm_shape_factor(n, gpu, graph.precision, base)) if kind == "matmul" else \
+                (lambda n: 1.0)
+            values[kind] = min(1.0, statistics.median(n.flops / t / peak / shape(n) for n, t in large))
             samples[kind] = len(large)
     moving = [(n, t) for n, t in by_kind["vector"] if n.bytes_read + n.bytes_written >= _LARGE_BYTES]
     if moving:
@@ -63,10 +72,29 @@ def calibrate(graph: OpGraph, times_s: dict[str, float], gpu: GpuSpec, device_na
             (n.bytes_read + n.bytes_written) / t / gpu.hbm_bandwidth_bytes_per_s for n, t in moving))
         samples["memory"] = len(moving)
     tiny = [t for n, t in by_kind["vector"] if n.bytes_read + n.bytes_written < _SMALL_BYTES]
-    if tiny:
+    if len(tiny) >= MIN_LAUNCH_SAMPLES:
         values["launch_overhead_s"] = statistics.median(tiny)
         samples["launch_overhead_s"] = len(tiny)
     return Calibration(efficiency=replace(base, **values), device_name=device_name, samples=samples)
+
+
+def _gemm_shape_factor(node: OpNode, gpu: GpuSpec, dtype: str, base: Efficiency) -> float:
+    """What the predictions' shape model multiplies the ceiling by for this GEMM at its traced shape
+    (as `compute.op_time_s` does from the graph facts' `GemmShape`); 1 for a non-GEMM."""
+    contraction = CONTRACTIONS.get(op_packet(node))
+    if contraction is None or len(node.input_meta) <= max(contraction):
+        return 1.0
+    left, right = (node.input_meta[i].shape for i in contraction)
+    if len(left) == 2 and len(right) == 2:
+        dims = (1.0, float(left[0]), float(right[1]), float(left[1]))
+    elif len(left) == 3 and len(right) == 3:
+        dims = (float(left[0]), float(left[1]), float(right[2]), float(left[2]))
+    else:
+        return 1.0
+    factor = gemm_efficiency(dims, 1.0, base.gemm_half_dim_for(gpu, dtype))
+    if dtype in ("bf16", "fp16") and any(d % 8 for d in dims[1:]):
+        factor *= MISALIGNED_GEMM_FACTOR
+    return factor
 
 
 def calibrate_from_database(graph: OpGraph, db, gpu: GpuSpec, device_name: str) -> Calibration:
@@ -80,3 +108,16 @@ def calibrate_from_database(graph: OpGraph, db, gpu: GpuSpec, device_name: str) 
             if time_s:
                 times[node.name] = time_s
     return calibrate(graph, times, gpu, device_name)
+
+
+def profiled_batch(signature_keys: list[str], seq_len: int | None) -> int | None:
+    """The batch a profile was recorded at, read off its op signatures: the most common leading
+    dimension of tensors shaped [batch, seq_len, width, ...]; None when no signature shows one. Calibrating
+    on the graph traced at that batch matches the profile's elementwise ops, whose shapes carry it."""
+    import re
+    from collections import Counter
+
+    if not seq_len:
+        return None
+    found = Counter(int(batch) for key in signature_keys for batch in re.findall(rf"\[(\d+),{seq_len},\d+", key))
+    return found.most_common(1)[0][0] if found else None

@@ -141,13 +141,15 @@ def quick_evaluations(
     experts = fewest_experts(facts.experts)
     for strategy in completions(fixed, cluster.world_size, global_batch, experts, facts.seq_len):
         count += 1
-        reason = supports(strategy.model_copy(update=RUNTIME_PROFILE)) if supports is not None else None
-        if reason is None:
-            try:
-                check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
-                               heads=facts.heads, kv_heads=facts.kv_heads, experts=experts, seq_len=facts.seq_len)
-            except AutoparError as error:
-                reason = str(error)
+        # the structure first (a strategy no runtime could lay out), then what this runtime runs
+        try:
+            check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
+                           heads=facts.heads, kv_heads=facts.kv_heads, experts=experts, seq_len=facts.seq_len)
+            reason = None
+        except AutoparError as error:
+            reason = str(error)
+        if reason is None and supports is not None:
+            reason = supports(strategy.model_copy(update=RUNTIME_PROFILE))
         if reason is not None:
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
