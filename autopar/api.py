@@ -25,6 +25,7 @@ from autopar.errors import AutoparError, CaptureError
 from autopar.graph import OpGraph, trace
 from autopar.models.hints import model_hints
 from autopar.plan_schema import PipelineCapture, Plan
+from autopar.probe_cache import ProbeCache
 
 Progress = Callable[[str], None]
 
@@ -195,6 +196,7 @@ def plan(
     profile: str | Path | None = None,
     profile_device: str | None = None,
     progress: Progress | None = None,
+    probe_cache: str | Path | ProbeCache | None = None,
 ) -> PlanResult:
     """Search the best parallel plan for training `model` on `cluster`.
 
@@ -202,7 +204,9 @@ def plan(
     device, meta included. `strategy` fixes keys as `--strategy` does ("tp=8,pp=2" or a dict); the
     searcher chooses the rest. `heads`/`kv_heads`/`vocab` default to the model's config
     (`model_hints`). `profile`: a profile database calibrating the roofline. Nothing is trained and
-    the model is not modified.
+    the model is not modified. `probe_cache`: a folder (or `ProbeCache`) keeping the answers of the
+    runtime's probes of this model (`autopar.probe_cache`), so planning it again skips them; None
+    runs them every time.
     """
     from autopar.cost_models.context import context_parallel_refusal
     from autopar.cost_models.experts import expert_parallel_refusal
@@ -236,12 +240,11 @@ def plan(
                               lambda batch: _capture(model, _batched(example_inputs, batch), loss_fn=loss_fn,
                                                      precision=precision, name=name, seq_len=seq_len)[0],
                               seq_len) if profile else None
-    capabilities = _capabilities(model, example_inputs, loss_fn, precision, graph, facts, cluster, fixed)
+    remember = _remembering(probe_cache, model, example_inputs, loss_fn)
+    capabilities = _capabilities(model, example_inputs, loss_fn, precision, graph, facts, cluster, fixed, remember)
     probe = None
     if cluster.world_size > 1 and fixed.get("pp") != 1 and not fallback:  # the cut tried on these inputs
-        from autopar.runtime.pipeline.schedule import probe_pipeline
-
-        probe = probe_pipeline(model, example_inputs, loss_fn)
+        probe = _pipeline_probe(model, example_inputs, loss_fn, remember)
         capabilities = dataclasses.replace(capabilities, pipeline_refusal=probe.refusal)
     capabilities = dataclasses.replace(capabilities, expert_parallel_refusal=expert_parallel_refusal(facts.experts),
                                        context_parallel_refusal=context_parallel_refusal(facts.attention,
@@ -275,7 +278,7 @@ def _pipeline_capture_note(capture: PipelineCapture) -> str:
 
 
 def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str, graph: OpGraph, facts,
-                  cluster: ClusterSpec, fixed: dict[str, Any]):
+                  cluster: ClusterSpec, fixed: dict[str, Any], remember: Remember | None = None):
     """What the runtime can execute for this model. Tensor parallelism is decided by dry runs of the
     planned placements (runtime.tensor_parallel.realization) when a dry run is possible (one input tensor, a loss):
     DTensor through the model's own forward runs what the module rules refuse or what breaks on
@@ -284,7 +287,7 @@ def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str
     under autocast they send the low precision, runtime/tensor_parallel/autocast.py), the search keeps the static
     rules instead of dry-running every layout (seconds each: 5 s → 135 s for gpt3-13b on 64 GPUs).
     A head that reads one token (ViT's classifier) sends less than that ledger says; such a model is
-    priced from dry runs."""
+    priced from dry runs. The probe's answer is `remember`ed (`autopar.probe_cache`)."""
     from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.tp_placements import module_rules_refusal, planned_tp_placements
 
@@ -295,11 +298,44 @@ def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str
         return table
     dry = capabilities_for(model, inputs[0], loss_fn, precision)
     if module_rules_refusal(table, graph, facts) is None:
-        probe = dry.tp_realization(planned_tp_placements({}, graph, facts, 2), 2, False, 1)
-        if probe.name == "modules" and probe.placements is None and _priced_as_sent(probe, graph, facts, cluster,
-                                                                                    table):
+        def rules_run_as_priced() -> bool:
+            probe = dry.tp_realization(planned_tp_placements({}, graph, facts, 2), 2, False, 1)
+            return probe.name == "modules" and probe.placements is None and _priced_as_sent(probe, graph, facts,
+                                                                                            cluster, table)
+
+        remember = remember or (lambda _kind, compute, **_arguments: compute())
+        if remember("tp-module-rules", rules_run_as_priced, precision=precision, seq_len=graph.seq_len,
+                    heads=facts.heads, kv_heads=facts.kv_heads, vocab=facts.vocab,
+                    cluster=_two_gpus(cluster).model_dump(mode="json")):
             return table
     return dry
+
+
+Remember = Callable[..., Any]  # remember(kind, compute, **arguments): compute()'s answer, perhaps stored
+
+
+def _remembering(cache: str | Path | ProbeCache | None, model: nn.Module, example_inputs: Any, loss_fn) -> Remember:
+    """`remember` over `cache` (None: computes every time), keyed by the model (`probe_cache.model_key`)."""
+    from autopar.probe_cache import model_key, probe_key
+
+    if cache is None:
+        return lambda _kind, compute, **_arguments: compute()
+    store = cache if isinstance(cache, ProbeCache) else ProbeCache(cache)
+    base = model_key(model, example_inputs, loss_fn)
+    return lambda kind, compute, **arguments: store.answer(kind, probe_key(base, **arguments), compute)
+
+
+def _pipeline_probe(model: nn.Module, example_inputs: Any, loss_fn, remember: Remember):
+    """`probe_pipeline`'s answer (its capture of the whole forward), remembered as plain data."""
+    from autopar.runtime.pipeline.schedule import PipelineProbe, probe_pipeline
+
+    def run() -> dict[str, Any]:
+        probe = probe_pipeline(model, example_inputs, loss_fn)
+        return {"refusal": probe.refusal, "training_settings": dict(probe.training_settings),
+                "dropped_outputs": list(probe.dropped_outputs)}
+
+    answer = remember("pipeline", run)
+    return PipelineProbe(answer["refusal"], dict(answer["training_settings"]), tuple(answer["dropped_outputs"]))
 
 
 def _model_context_refusal(model: nn.Module, loss_fn) -> str | None:
@@ -315,16 +351,21 @@ def _model_context_refusal(model: nn.Module, loss_fn) -> str | None:
 
 def _priced_as_sent(probe, graph: OpGraph, facts, cluster: ClusterSpec, table) -> bool:
     """Whether the module rules' analytic ledger for one micro-batch at tp=2 is what the probe sent."""
-    from autopar.cluster import size_cluster
     from autopar.searcher.search import search
     from autopar.searcher.tp_placements import same_tp_ledger
 
     # offload fixed: a model too large for two GPUs must not start the search's offload pass (its
     # ledger is all this asks for, and the best candidate or the closest one carries it)
     two = dict(dp=1, tp=2, pp=1, sp=False, zero=0, microbatch=1, recompute="none", offload="none")
-    result = search(graph, facts, size_cluster(cluster, 2), 1, fixed=two, use_ilp=False, capabilities=table)
+    result = search(graph, facts, _two_gpus(cluster), 1, fixed=two, use_ilp=False, capabilities=table)
     candidate = result.best or (result.ranked[0] if result.ranked else None)
     return candidate is not None and same_tp_ledger(candidate, probe, facts)
+
+
+def _two_gpus(cluster: ClusterSpec) -> ClusterSpec:
+    from autopar.cluster import size_cluster
+
+    return size_cluster(cluster, 2)
 
 
 def _capture(model: nn.Module, example_inputs: Any, **options) -> tuple[OpGraph, str | None]:

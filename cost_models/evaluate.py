@@ -326,17 +326,19 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
 
 
 def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit]],
-                                  rerun: Callable[[Strategy], Evaluation]) -> Evaluation:
+                                  rerun: Callable[[Strategy], Evaluation], cache: CostCache | None = None) -> Evaluation:
     """`evaluation` (every layer recomputing) redone with each stage recomputing only the layers
     its rank needs to fit, when that is faster. `rerun(strategy)` evaluates a strategy on the
     same stages. The counts come from the memory model (`fewest_recomputed_layers`); a rank the
-    re-evaluation still finds over capacity gets one more layer per chunk, a few times."""
+    re-evaluation still finds over capacity gets one more layer per chunk, a few times. `cache`:
+    the caller's, for the units' activation bytes."""
     s = evaluation.strategy
     if s.recompute == "none" or s.recompute_layers is not None or not evaluation.fits:
         return evaluation
     b, tp, sp = rank_batch(s), s.tp, s.sp
     # per unit, computed once: the count search below sums them over every prefix of every rank
-    saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none"), unit_activation_bytes(u, b, tp, sp, s.recompute))
+    saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none", cache),
+                     unit_activation_bytes(u, b, tp, sp, s.recompute, cache))
              for units in stages for u in units}
 
     def keeps(unit: Unit) -> float:

@@ -24,7 +24,7 @@ from autopar.capabilities import whole_stage_problem
 from autopar.cost_models.compute import Efficiency, UnitTime, op_time_s, unit_time
 from autopar.cost_models.context import rank_batch, replicas, unit_exchange_s
 from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_all_to_alls, unit_expert_params
-from autopar.cost_models.facts import ModelFacts, Unit
+from autopar.cost_models.facts import ModelFacts, OpFacts, Unit
 from autopar.cost_models.memory import gradients_sharded, state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
 
@@ -32,13 +32,27 @@ from autopar.cost_models.recompute import stage_policies
 class CostCache:
     """Per-unit derived costs, keyed by the unit and the arguments they depend on. Owned by the
     caller (one per model being priced): nothing is stored on the facts. Each entry holds its
-    unit, so a key's `id` is never reused by another unit while the entry lives."""
+    unit, so a key's `id` is never reused by another unit while the entry lives. Units equal but
+    for their names (a model's repeated layers) share their entries: every cost cached here is a
+    function of what `_costed_content` compares, so a twin's is the same number."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[Unit, Any]] = {}
         self._tokens: dict[tuple, tuple[str, int]] = {}
+        self._twin_of: dict[int, tuple[Unit, Unit]] = {}  # id(unit) -> (unit, the first unit equal to it)
+        self._by_content: dict[tuple, Unit] = {}
+
+    def twin(self, unit: Unit) -> Unit:
+        """The first unit this cache saw whose costed content is `unit`'s (`unit` itself if none)."""
+        found = self._twin_of.get(id(unit))
+        if found is not None and found[0] is unit:
+            return found[1]
+        twin = self._by_content.setdefault(_costed_content(unit), unit)
+        self._twin_of[id(unit)] = (unit, twin)
+        return twin
 
     def get(self, unit: Unit, key: tuple, compute: Callable[[], Any]) -> Any:
+        unit = self.twin(unit)
         full_key = (id(unit), *key)
         hit = self._entries.get(full_key)
         if hit is not None and hit[0] is unit:
@@ -50,6 +64,16 @@ class CostCache:
     def token(self, key: tuple) -> tuple[str, int]:
         """A cheap stand-in for a key whose parts (pydantic links, dataclasses) hash slowly."""
         return self._tokens.setdefault(key, ("token", len(self._tokens)))
+
+
+_UNIT_FIELDS = tuple(f.name for f in dataclasses.fields(Unit) if f.name != "name")
+_OP_FIELDS = tuple(f.name for f in dataclasses.fields(OpFacts) if f.name != "name")
+
+
+def _costed_content(unit: Unit) -> tuple:
+    """Everything of a unit but its name and its ops' names: what its costs are computed from."""
+    ops = tuple(tuple(getattr(op, field) for field in _OP_FIELDS) for op in unit.ops)
+    return tuple(getattr(unit, field) for field in _UNIT_FIELDS if field != "ops") + (ops,)
 
 
 @dataclass(frozen=True)
@@ -163,15 +187,21 @@ def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str)
     return total
 
 
-def unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
-    """A unit's times and bytes under `policy`; cached unless per-plan `recompute_repeats` apply."""
+def unit_part(pricing: Pricing, unit: Unit, policy: str, token: tuple[str, int] | None = None) -> UnitPart:
+    """A unit's times and bytes under `policy`; cached unless per-plan `recompute_repeats` apply.
+    `token`: `part_token(pricing, policy)`, when the caller has it."""
     if pricing.recompute_repeats is not None:
         return _unit_part(pricing, unit, policy)
-    s, cluster = pricing.strategy, pricing.cluster
-    key = pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp, policy,
-                               s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
-                               cluster.inter_node))
+    key = token or part_token(pricing, policy)
     return pricing.cache.get(unit, (key,), lambda: _unit_part(pricing, unit, policy))
+
+
+def part_token(pricing: Pricing, policy: str) -> tuple[str, int]:
+    """The cache token of `unit_part`'s arguments other than the unit (one per evaluation and policy)."""
+    s, cluster = pricing.strategy, pricing.cluster
+    return pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp,
+                                policy, s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
+                                cluster.inter_node))
 
 
 def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,
@@ -287,10 +317,13 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
     rank_params = [0.0] * s.pp
     rank_largest = [0.0] * s.pp
     rank_experts = [0.0] * s.pp
+    tokens: dict[str, tuple[str, int]] = {}
     for index, units in enumerate(stages_units):
         rank = stage_rank(index, s.pp, s.schedule)
         policies = stage_policies(units, s, index)
-        parts = [unit_part(pricing, unit, policy) for unit, policy in zip(units, policies)]
+        for policy in set(policies).difference(tokens):
+            tokens[policy] = part_token(pricing, policy)
+        parts = [unit_part(pricing, unit, policy, tokens[policy]) for unit, policy in zip(units, policies)]
         forward = sum(p.forward_s for p in parts)
         backward = sum(p.backward_s for p in parts)
         forward_comm = sum(p.forward_comm_s for p in parts)

@@ -210,7 +210,7 @@ def evaluate_fitted(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy,
                         vocab=head_vocab(facts, trial), overlap_grad_sync=overlap_grad_sync, cache=cache)
 
     evaluation = run(strategy)
-    return with_fewest_recomputed_layers(evaluation, stages, run) if fit else evaluation
+    return with_fewest_recomputed_layers(evaluation, stages, run, cache) if fit else evaluation
 
 
 def priced_as_run(facts: ModelFacts, fixed: dict[str, Any]) -> ModelFacts:

@@ -382,7 +382,7 @@ class Refiner:
                 return evaluate(facts, self.cluster, trial, self.global_batch, efficiency=self.efficiency,
                                 stages=stages, vocab=vocab, recompute_repeats=repeats, cache=self.cost_cache,
                                 tp_step=tp_step, selective_repeats=selective_repeats)
-            return with_fewest_recomputed_layers(run(strategy), stages, run) if fit else run(strategy)
+            return with_fewest_recomputed_layers(run(strategy), stages, run, self.cost_cache) if fit else run(strategy)
 
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
         even = evaluated(even_stages)

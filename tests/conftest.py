@@ -26,6 +26,22 @@ def traced_zoo(family: str, config: str, batch: int = 2, precision: str = "bf16"
     return spec, graph, model_facts(graph, heads=c.heads, kv_heads=c.num_kv_heads, vocab=c.padded_vocab)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def probe_cache_of_the_session(tmp_path_factory):
+    """`autopar plan` keeps its probes' answers (`autopar.probe_cache`) in a folder of this session,
+    not the user's cache: CLI tests, in this process or a subprocess, never read a stale one."""
+    import os
+
+    folder = tmp_path_factory.mktemp("probes")
+    previous = os.environ.get("AUTOPAR_PROBE_CACHE")
+    os.environ["AUTOPAR_PROBE_CACHE"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("AUTOPAR_PROBE_CACHE", None)
+    else:
+        os.environ["AUTOPAR_PROBE_CACHE"] = previous
+
+
 @pytest.fixture(scope="session")
 def zoo_trace():
     """`traced_zoo` for tests that trace their own configuration."""

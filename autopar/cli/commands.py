@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "breakdown, alternatives, sharding) to PATH")
     plan.add_argument("--trace", metavar="PATH", help="write the predicted step as a Chrome/Perfetto trace (JSON) to PATH")
     plan.add_argument("--no-ilp", action="store_true", help="skip the intra-op ILP (Megatron-style tensor parallelism)")
+    plan.add_argument("--no-probe-cache", action="store_true",
+                      help="run the runtime's probes of the model (pipeline capture, tp dry run) even when an "
+                           "earlier plan of the same model kept their answers ($AUTOPAR_CACHE/probes)")
     plan.add_argument("--profile", metavar="DB", help="calibrate the roofline from this profile database")
     plan.add_argument("--profile-device", metavar="NAME",
                       help="which device of the database to use (default: the one matching the cluster's GPU)")
@@ -152,6 +155,7 @@ def _plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.cost_models.strategy import parse_strategy
     from autopar.models import build_model
+    from autopar.probe_cache import default_probe_cache_dir
     from autopar.report import render_text
 
     outputs = {"--save-plan": args.save_plan, "--json": None if args.json == "-" else args.json,
@@ -167,7 +171,7 @@ def _plan(args: argparse.Namespace) -> int:
                           global_batch=args.global_batch, strategy=fixed, loss_fn=spec.loss_fn,
                           precision=args.precision, name=spec.name, seq_len=args.seq_len or spec.default_seq_len,
                           use_ilp=not args.no_ilp, profile=args.profile, profile_device=args.profile_device,
-                          progress=_say)
+                          progress=_say, probe_cache=None if args.no_probe_cache else default_probe_cache_dir())
     if result.fits:  # all or none; when nothing fits, none (the terminal report shows the closest plan)
         result.write(plan=args.save_plan, json_path=outputs["--json"], report=args.report, trace=args.trace)
     report = result.summary()
