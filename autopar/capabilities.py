@@ -134,7 +134,12 @@ class Capabilities:
         return "optimizer" in self.offload
 
     def supports(self, strategy: Strategy) -> str | None:
-        """None when the runtime can execute `strategy`, else the reason it cannot."""
+        """None when the runtime can execute `strategy`, else the reason it cannot. What the model itself
+        cannot run (its tp or pp refusal) comes first: no other setting would change it."""
+        if strategy.tp > 1 and self.tensor_parallel_refusal:
+            return self.tensor_parallel_refusal
+        if strategy.pp > 1 and self.pipeline_refusal:
+            return self.pipeline_refusal
         for knob in IMPLEMENTATION_KNOBS:  # priced for other software; the runtime runs its defaults only
             value, runtime = getattr(strategy, knob), Strategy.model_fields[knob].default
             if value != runtime:
@@ -142,10 +147,6 @@ class Capabilities:
                         f"(leave {knob} out of --strategy to plan a run)")
         if strategy.schedule not in self.schedules:
             return f"the runtime has no {strategy.schedule} schedule"
-        if strategy.schedule in ZERO_BUBBLE_SCHEDULES and strategy.pp > 1:
-            reason = zero_bubble_problem(strategy)
-            if reason:
-                return reason
         if strategy.zero not in self.zero_stages:
             return f"the runtime has no ZeRO stage {strategy.zero}"
         if strategy.recompute not in self.recompute:
@@ -170,14 +171,12 @@ class Capabilities:
             return "the runtime has no sequence parallelism"
         if strategy.vp > self.max_vp:
             return f"the runtime runs at most {self.max_vp} virtual stages per rank"
-        if strategy.tp > 1 and self.tensor_parallel_refusal:
-            return self.tensor_parallel_refusal
         if strategy.tp > 1 and self.tp_refusal is not None:
             reason = self.tp_refusal(strategy)
             if reason:
                 return reason
-        if strategy.pp > 1 and self.pipeline_refusal:
-            return self.pipeline_refusal
+        if strategy.schedule in ZERO_BUBBLE_SCHEDULES and strategy.pp > 1:  # the narrowest rule: last
+            return zero_bubble_problem(strategy)
         return None
 
     def _expert_parallel_refusal(self, strategy: Strategy) -> str | None:

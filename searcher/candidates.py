@@ -141,15 +141,13 @@ def quick_evaluations(
     experts = fewest_experts(facts.experts)
     for strategy in completions(fixed, cluster.world_size, global_batch, experts, facts.seq_len):
         count += 1
-        # the structure first (a strategy no runtime could lay out), then what this runtime runs
-        try:
-            check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
-                           heads=facts.heads, kv_heads=facts.kv_heads, experts=experts, seq_len=facts.seq_len)
-            reason = None
-        except AutoparError as error:
-            reason = str(error)
-        if reason is None and supports is not None:
-            reason = supports(strategy.model_copy(update=RUNTIME_PROFILE))
+        reason = supports(strategy.model_copy(update=RUNTIME_PROFILE)) if supports is not None else None
+        if reason is None:
+            try:
+                check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
+                               heads=facts.heads, kv_heads=facts.kv_heads, experts=experts, seq_len=facts.seq_len)
+            except AutoparError as error:
+                reason = str(error)
         if reason is not None:
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
@@ -171,9 +169,21 @@ def _no_completion(fixed: dict[str, Any], world_size: int, global_batch: int, co
         return (f"no strategy completes {where} on {world_size} GPUs with global batch {global_batch}: "
                 f"each degree must divide the world size and dp the global batch; change "
                 f"{'those keys' if given else '--global-batch or --gpus'}")
-    reason, times = max(rejected.items(), key=lambda item: item[1])
+    reason, times = _most_broken_rule(rejected)
     fix = f"change or drop {given}" if given else "change --global-batch or --gpus"
     return f"no valid strategy completes {where}: {times} of {count} completions break the rule '{reason}'; {fix}"
+
+
+def _most_broken_rule(rejected: dict[str, int]) -> tuple[str, int]:
+    """The rule most completions broke, counting one rule's messages together whatever numbers they
+    name ("pp×vp = 8 stages ..." and "pp×vp = 16 stages ..."), and its most frequent message."""
+    import re
+
+    by_rule: dict[str, list[tuple[str, int]]] = {}
+    for reason, times in rejected.items():
+        by_rule.setdefault(re.sub(r"\d+", "#", reason), []).append((reason, times))
+    messages = max(by_rule.values(), key=lambda group: sum(times for _, times in group))
+    return max(messages, key=lambda item: item[1])[0], sum(times for _, times in messages)
 
 
 def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int,
