@@ -12,6 +12,7 @@ schedules, whose backward is split into input- and weight-gradient passes, are i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 SCHEDULES += ("interleaved_zb", "zbv")  # `cost_models.zero_bubble`
@@ -180,19 +181,39 @@ def estimate(
     fill = (pp - 1) * (sum(per_rank) / pp) / (vp if schedule == "interleaved" else 1)
     transfers = 2 * (pp - 1) * p2p_s * (vp if schedule == "interleaved" else 1)
     step = m * slowest + fill + transfers
-    peaks = []
-    for rank in range(pp):
-        chunk_weights = [weights[rank + c * pp] for c in range(vp)]
-        if schedule == "gpipe":
-            held = m * sum(chunk_weights)
-        elif schedule == "1f1b":
-            held = min(pp - rank, m) * chunk_weights[0]
-        else:  # interleaved: warm-up passes plus the one in flight, spread over the chunks
-            passes = min((pp - rank - 1) * 2 + (vp - 1) * pp + 1, m * vp)
-            held = passes * sum(chunk_weights) / vp
-        peaks.append(held)
+    peaks = [peak_held(schedule, rank, pp, m, vp, [weights[rank + c * pp] for c in range(vp)])
+             for rank in range(pp)]
     busy = tuple(m * w for w in per_rank)
     return PipelineResult(
         step_time_s=step, rank_busy_s=busy, rank_end_s=tuple(step for _ in range(pp)),
         peak_in_flight=tuple(peaks), timeline=(),
     )
+
+
+@lru_cache(maxsize=4096)
+def in_flight_counts(schedule: str, rank: int, pp: int, num_microbatches: int, vp: int = 1
+                     ) -> tuple[tuple[int, ...], ...]:
+    """Per chunk, how many micro-batches' activations rank `rank` holds just after each of its
+    forwards (where its memory can peak), the distinct vectors only. Holding depends on the rank's
+    pass order alone, not on timing: a forward of chunk c adds one to c, a backward removes one.
+    1F1B: ((min(pp - rank, m),)); GPipe: ((m,)); interleaved: the warm-up's forwards spread over the
+    chunks, then the steady state's, which with uneven chunks can peak later than the warm-up."""
+    held = [0] * vp
+    vectors: dict[tuple[int, ...], None] = {}
+    for kind, chunk, _ in rank_order(schedule, rank, pp, num_microbatches, vp):
+        held[chunk] += 1 if kind == "F" else -1
+        if kind == "F":
+            vectors[tuple(held)] = None
+    return _undominated(tuple(vectors))
+
+
+def _undominated(vectors: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """The vectors no other one covers element by element (only those can hold the peak)."""
+    return tuple(v for v in vectors if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in vectors))
+
+
+def peak_held(schedule: str, rank: int, pp: int, num_microbatches: int, vp: int, chunk_weights: list[float]) -> float:
+    """The peak over a step of Σ_c held_c · chunk_weights[c] on rank `rank` (`in_flight_counts`):
+    what `simulate` finds, in closed form, for any chunk weights, even or not."""
+    return max(sum(n * w for n, w in zip(counts, chunk_weights))
+               for counts in in_flight_counts(schedule, rank, pp, num_microbatches, vp))

@@ -422,7 +422,7 @@ class Refiner:
                 activation_bytes=unit_activation_bytes(unit, batch, s.tp, s.sp, policy, self.cost_cache),
                 transient_bytes=full if policy != "none" else 0.0,
             ))
-        bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,
+        bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches, vp=s.vp,
                               schedule="gpipe" if s.schedule == "gpipe" else "1f1b",
                               memory_capacity_bytes=planning_capacity_bytes(
                                   self.cluster.gpu.memory_bytes, self.cluster.memory_headroom) / 1.05)
