@@ -83,6 +83,8 @@ def test_llama3_layout_cuts_the_1f1b_bubble():
     work = 32 * 3 * 8  # the slowest rank's passes: 8 layers per micro-batch
     assert plain.step_time_s == pytest.approx(work + 15 * 24, rel=0.01)
     assert interleaved.step_time_s == pytest.approx(work * (1 + 15 / 256), rel=0.01)
+    quick = estimate(chunks, [2 * t for t in chunks], 32, "interleaved", pp=16, vp=8)
+    assert quick.step_time_s == pytest.approx(interleaved.step_time_s, rel=0.01)  # what the ranking sees
 
 
 # --- the inter-op program -------------------------------------------------------------------------
