@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 SCHEDULES += ("interleaved_zb", "zbv")  # `cost_models.zero_bubble`
 
@@ -200,18 +202,32 @@ def in_flight_counts(schedule: str, rank: int, pp: int, num_microbatches: int, v
     pass order alone, not on timing: a forward of chunk c adds one to c, a backward removes one.
     1F1B: ((min(pp - rank, m),)); GPipe: ((m,)); interleaved: the warm-up's forwards spread over the
     chunks, then the steady state's, which with uneven chunks can peak later than the warm-up."""
+    if schedule == "gpipe":
+        return ((num_microbatches,),)
+    if schedule == "1f1b":
+        return ((min(pp - rank, num_microbatches),),)
     held = [0] * vp
     vectors: dict[tuple[int, ...], None] = {}
-    for kind, chunk, _ in rank_order(schedule, rank, pp, num_microbatches, vp):
+    order = rank_order(schedule, rank, pp, num_microbatches, vp)
+    for position, (kind, chunk, _) in enumerate(order):
         held[chunk] += 1 if kind == "F" else -1
-        if kind == "F":
-            vectors[tuple(held)] = None
-    return _undominated(tuple(vectors))
+        if kind == "F" and (position + 1 == len(order) or order[position + 1][0] == "B"):
+            vectors[tuple(held)] = None  # a forward the next pass undoes in part: a local peak
+    return _undominated(vectors)
 
 
-def _undominated(vectors: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-    """The vectors no other one covers element by element (only those can hold the peak)."""
-    return tuple(v for v in vectors if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in vectors))
+def _undominated(vectors) -> tuple[tuple[int, ...], ...]:
+    """The vectors no other one covers element by element (only those can hold the peak). In
+    decreasing order of their sums, a vector is covered by some kept one if by any."""
+    ordered = sorted(vectors, key=lambda w: (-sum(w), w))
+    kept = np.empty((len(ordered), len(ordered[0]) if ordered else 0), dtype=np.int64)
+    count = 0
+    for v in ordered:
+        row = np.asarray(v)
+        if not count or not (kept[:count] >= row).all(axis=1).any():
+            kept[count] = row
+            count += 1
+    return tuple(tuple(int(n) for n in row) for row in kept[:count])
 
 
 def peak_held(schedule: str, rank: int, pp: int, num_microbatches: int, vp: int, chunk_weights: list[float]) -> float:
