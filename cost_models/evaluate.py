@@ -368,7 +368,8 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
 
 def partition(facts: ModelFacts, stages: int) -> list[list[Unit]]:
     """Layers split evenly over stages (extra layers to the middle stages); the units before the
-    first layer join stage 0, those after a layer join that layer's stage."""
+    first layer join stage 0, those after a layer join that layer's stage, and those after the last
+    layer the last stage when it holds no layer (the head alone, `even_stage_layers`)."""
     units = list(facts.units)
     layer_positions = [i for i, u in enumerate(units) if u.layer_type is not None]
     sizes = even_stage_layers(len(layer_positions), stages)
@@ -383,5 +384,9 @@ def partition(facts: ModelFacts, stages: int) -> list[list[Unit]]:
     for i, unit in enumerate(units):
         if i in stage_of_layer:
             current = stage_of_layer[i]
+        elif layer_positions and i > layer_positions[-1] and not sizes[-1]:
+            current = stages - 1
         result[current].append(unit)
+    if any(not stage for stage in result):
+        raise ValueError(f"{stages} stages for {len(layer_positions)} layers leave a stage empty")
     return result

@@ -85,7 +85,12 @@ def _layer_counts(value: str) -> int | tuple[int, ...] | str:
 
 
 def even_stage_layers(layers: int, stages: int) -> list[int]:
-    """Layers per stage on the even split (extra layers to the middle stages): `evaluate.partition`'s rule."""
+    """Layers per stage on the even split (extra layers to the middle stages): `evaluate.partition`'s rule.
+    With one or two stages more than layers, the last stage (the head alone), then the first (the
+    embedding alone) hold none: Llama 3 405B's 126 layers on 16 x 8 virtual stages (Dubey et al. 2024,
+    §3.3.2, "the first model chunk on the first stage has only the embedding")."""
+    if layers < stages <= layers + 2:
+        return ([0] if stages == layers + 2 else []) + [1] * layers + [0]
     base, extra = divmod(layers, stages)
     sizes = [base] * stages
     middle = list(range(1, stages - 1)) or list(range(stages))
@@ -97,9 +102,12 @@ def even_stage_layers(layers: int, stages: int) -> list[int]:
 def check_strategy(
     strategy: Strategy, *, world_size: int, global_batch: int, layers: int,
     heads: int | None = None, kv_heads: int | None = None, experts: int | None = None, seq_len: int | None = None,
+    end_units: int = 0,
 ) -> None:
     """Raise AutoparError naming the first rule the strategy breaks. `experts`: the fewest experts of
-    the model's MoE layers (None: it has none); `seq_len`: the sequence cp cuts into chunks."""
+    the model's MoE layers (None: it has none); `seq_len`: the sequence cp cuts into chunks;
+    `end_units`: how many of the code before the first layer and after the last may hold a stage
+    alone (`standalone_ends`). Stages need not hold equal layer counts, interleaved ones neither."""
     s = strategy
     if s.ep > 1 and not experts:
         raise AutoparError(f"ep={s.ep} shards mixture-of-experts layers, and this model has none: leave ep out")
@@ -115,10 +123,10 @@ def check_strategy(
     if kv_heads is not None and kv_heads % s.tp and s.tp % kv_heads:
         raise AutoparError(f"tp={s.tp} and the {kv_heads} key/value heads must divide one another")
     check_context(s, seq_len, heads, kv_heads)
-    if s.pp * s.vp > layers:
-        raise AutoparError(f"pp×vp = {s.pp * s.vp} stages for {layers} layers: a stage needs at least one layer")
-    if s.schedule == "interleaved" and layers % (s.pp * s.vp):
-        raise AutoparError(f"interleaved needs layers ({layers}) divisible by pp×vp ({s.pp * s.vp})")
+    if s.pp * s.vp > layers + end_units:
+        alone = " (or the embedding or the head alone)" if end_units else ""
+        raise AutoparError(f"pp×vp = {s.pp * s.vp} stages for {layers} layers: a stage needs at least one "
+                           f"layer{alone}")
     if global_batch % (s.dp * s.microbatch):
         raise AutoparError(f"global batch {global_batch} is not divisible by dp×microbatch = {s.dp}×{s.microbatch}: "
                            f"choose a batch or micro-batch that divides evenly")
@@ -128,7 +136,7 @@ def check_strategy(
     if s.schedule in ("1f1b", "interleaved", "interleaved_zb", "zbv") and s.pp > 1 and s.num_microbatches < s.pp:
         raise AutoparError(f"{s.schedule} needs at least pp={s.pp} micro-batches, got {s.num_microbatches}: "
                            f"raise the global batch or lower the micro-batch size")
-    if s.recompute_layers is not None and s.pp * s.vp <= layers:
+    if s.recompute_layers is not None and s.pp * s.vp <= layers + end_units:
         sizes = even_stage_layers(layers, s.pp * s.vp)
         over = [i for i, (k, size) in enumerate(zip(s.recompute_layers, sizes)) if k > size]
         if over:
@@ -136,6 +144,15 @@ def check_strategy(
                                f"layers but it holds {sizes[over[0]]}: give at most {'/'.join(map(str, sizes))}")
     if s.schedule in ("interleaved", "interleaved_zb") and s.num_microbatches % s.pp:
         raise AutoparError(f"{s.schedule} needs the micro-batch count ({s.num_microbatches}) divisible by pp={s.pp}")
+
+
+def standalone_ends(units) -> int:
+    """How many ends of the unit sequence are code outside the layers (an embedding before them, a
+    head after), each of which may hold a pipeline stage alone."""
+    units = list(units)
+    if not units:
+        return 0
+    return int(units[0].layer_type is None) + int(len(units) > 1 and units[-1].layer_type is None)
 
 
 def check_fixed_degrees(fixed: dict[str, Any], world_size: int) -> None:

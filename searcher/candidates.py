@@ -24,7 +24,7 @@ from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.implementation import RUNTIME_PROFILE, as_run, profile_of
 from autopar.cost_models.stage_costs import CostCache
-from autopar.cost_models.strategy import check_fixed_degrees, check_strategy
+from autopar.cost_models.strategy import check_fixed_degrees, check_strategy, standalone_ends
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 VP_CHOICES = (2, 3, 4, 6, 8)
@@ -145,7 +145,8 @@ def quick_evaluations(
         if reason is None:
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
-                               heads=facts.heads, kv_heads=facts.kv_heads, experts=experts, seq_len=facts.seq_len)
+                               heads=facts.heads, kv_heads=facts.kv_heads, experts=experts, seq_len=facts.seq_len,
+                               end_units=standalone_ends(facts.units))
             except AutoparError as error:
                 reason = str(error)
         if reason is not None:

@@ -8,11 +8,21 @@ the same problem jointly with sub-mesh choice; our sub-meshes are uniform dp×tp
 Dynamic program over (stages used, units covered): best[s][j] is the smallest bottleneck that
 places units [0, j) on s stages; a stage [i, j) is allowed only if its memory, with the number
 of micro-batches it holds in flight, fits.
+
+Interleaved (vp > 1 virtual stages per rank, stage s on rank s mod pp): the same program over the
+pp·vp virtual stages, so their layer counts may differ (Llama 3 405B's first and last chunks hold
+the embedding and the head alone, Dubey et al. 2024, §3.3.2). Balanced chunks balance the ranks'
+sums. A rank's memory is the sum over its chunks, which a chain program cannot see: each chunk
+must fit in 1/vp of the capacity, holding as many micro-batches as the schedule ever makes it
+hold (`cost_models.pipeline.in_flight_counts`). That is sufficient, not necessary; the searcher
+evaluates the result exactly beside the even split and keeps the better.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from autopar.cost_models.pipeline import in_flight_counts
 
 
 @dataclass(frozen=True)
@@ -25,11 +35,15 @@ class UnitCost:
     transient_bytes: float = 0.0  # held once while the unit is differentiated (recompute)
 
 
-def in_flight(stage: int, stages: int, num_microbatches: int, schedule: str) -> int:
-    """Micro-batches whose activations stage `stage` holds at its peak."""
+def in_flight(stage: int, stages: int, num_microbatches: int, schedule: str, vp: int = 1) -> int:
+    """Micro-batches whose activations stage `stage` holds at its peak (interleaved: the most its
+    chunk ever holds on its rank)."""
     if schedule == "gpipe":
         return num_microbatches
-    return min(stages - stage, num_microbatches)
+    if vp == 1:
+        return min(stages - stage, num_microbatches)
+    pp = stages // vp
+    return max(counts[stage // pp] for counts in in_flight_counts("interleaved", stage % pp, pp, num_microbatches, vp))
 
 
 def partition(
@@ -40,15 +54,20 @@ def partition(
     schedule: str = "1f1b",
     memory_capacity_bytes: float | None = None,
     must_start: set[int] | None = None,
+    vp: int = 1,
 ) -> list[tuple[int, int]] | None:
     """Stage boundaries as [(start, end), ...] over `costs`, or None when nothing fits.
+
+    `stages` counts virtual stages: pp·vp, with `vp` > 1 for the interleaved schedule.
 
     `must_start`: unit indices that may not share a stage with the unit before them (none by
     default). Ties are broken towards earlier cuts, so the result is deterministic.
     """
     n = len(costs)
-    if stages < 1 or stages > n:
+    if stages < 1 or stages > n or stages % vp:
         return None
+    if vp > 1:
+        schedule = "interleaved"
     prefix_time = [0.0]
     prefix_state = [0.0]
     prefix_activation = [0.0]
@@ -69,11 +88,11 @@ def partition(
     def fits(stage: int, start: int, end: int) -> bool:
         if memory_capacity_bytes is None:
             return True
-        held = in_flight(stage, stages, num_microbatches, schedule)
+        held = in_flight(stage, stages, num_microbatches, schedule, vp)
         transient = largest_transient[start][end - start - 1]
         total = (prefix_state[end] - prefix_state[start]
                  + held * (prefix_activation[end] - prefix_activation[start]) + transient)
-        return total <= memory_capacity_bytes
+        return total <= memory_capacity_bytes / vp
 
     infinity = float("inf")
     best = [[infinity] * (n + 1) for _ in range(stages + 1)]

@@ -39,7 +39,7 @@ def layer_budget(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, we
     state = sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s), pp=s.pp,
                                   num_microbatches=s.num_microbatches))  # bytes per parameter
     stages = s.pp * s.vp
-    sizes = even_stage_layers(layers, stages) if stages <= layers else [1] * stages
+    sizes = even_stage_layers(layers, stages) if stages <= layers + 2 else [1] * stages
     per_rank = max(sum(sizes[i] for i in range(rank, stages, s.pp)) for rank in range(s.pp))
     others = max(sum(u.params_on_device(s.tp) for u in facts.units if u.layer_type is None) * state, 0.0)
     buffers = 2 * DDP_BUCKET_BYTES if replicas(s) > 1 and s.zero < 3 else 0.0

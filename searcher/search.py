@@ -422,7 +422,10 @@ class Refiner:
                 activation_bytes=unit_activation_bytes(unit, batch, s.tp, s.sp, policy, self.cost_cache),
                 transient_bytes=full if policy != "none" else 0.0,
             ))
+        # interleaved: chunks of 1/vp of the memory each (`inter_op`); the zero-bubble schedules
+        # (other placements and orders) as before, each virtual stage priced like a 1F1B stage
         bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,
+                              vp=s.vp if s.schedule == "interleaved" else 1,
                               schedule="gpipe" if s.schedule == "gpipe" else "1f1b",
                               memory_capacity_bytes=planning_capacity_bytes(
                                   self.cluster.gpu.memory_bytes, self.cluster.memory_headroom) / 1.05)

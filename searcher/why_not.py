@@ -27,7 +27,7 @@ from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.compute import Efficiency
 from autopar.cost_models.evaluate import Evaluation, evaluate
 from autopar.cost_models.facts import ModelFacts
-from autopar.cost_models.strategy import check_strategy
+from autopar.cost_models.strategy import check_strategy, standalone_ends
 from autopar.searcher.candidates import completions, fit_recompute, quick_evaluations
 
 GiB = 2**30
@@ -159,7 +159,8 @@ def _commonest_rule(keys: dict[str, Any], facts: ModelFacts, cluster: ClusterSpe
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=batch, layers=layers,
                                heads=facts.heads, kv_heads=facts.kv_heads, experts=fewest_experts(facts.experts),
-                               seq_len=facts.seq_len)
+                               seq_len=facts.seq_len,
+                               end_units=standalone_ends(facts.units))
             except AutoparError as error:
                 reason = str(error)
         if reason is not None:

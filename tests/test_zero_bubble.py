@@ -146,8 +146,12 @@ def test_searcher_offers_zero_bubble_schedules_where_they_run():
                           name="gpt", seq_len=16, heads=4, kv_heads=4, vocab=96)
     ranked = [candidate.evaluation.strategy for candidate in result.search.ranked]
     offered = {(s.schedule, s.vp) for s in ranked if s.schedule in ("interleaved_zb", "zbv")}
-    assert {("zbv", 2), ("interleaved_zb", 1), ("interleaved_zb", 2)} <= offered
+    # With uneven virtual stages (#30 item 3), vp=3 on these 4 layers (the embedding and the head each
+    # alone) enters the top five and interleaved_zb at vp=1 falls just below it.
+    assert ("zbv", 2) in offered and {vp for schedule, vp in offered if schedule == "interleaved_zb"} >= {2, 3}
     assert all(s.recompute == "none" for s in ranked if s.schedule in ("interleaved_zb", "zbv"))
     zbv = next(c.evaluation for c in result.search.ranked if c.evaluation.strategy.schedule == "zbv")
-    assert zbv.pipeline.bubble_s < next(c.evaluation for c in result.search.ranked
-                                        if c.evaluation.strategy.schedule == "1f1b").pipeline.bubble_s
+    plain = autopar.plan(spec.module, spec.example_inputs(1), cluster=autopar.load_cluster("dgx-h100", gpus=2),
+                         global_batch=8, strategy=dict(pp=2, microbatch=2, schedule="1f1b"), loss_fn=spec.loss_fn,
+                         precision="fp32", name="gpt", seq_len=16, heads=4, kv_heads=4, vocab=96)
+    assert zbv.pipeline.bubble_s < plain.search.ranked[0].evaluation.pipeline.bubble_s  # 1F1B: out of the top 5
