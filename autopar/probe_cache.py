@@ -195,9 +195,7 @@ def _file_digest(path: str) -> str:
 @functools.lru_cache(maxsize=1)
 def _versions() -> tuple[str, ...]:
     """Python, torch, transformers (when imported) and a digest of autopar's own source files."""
-    import autopar
-
-    folders = {Path(autopar.__file__).parent}
+    folders = {Path(__file__).resolve().parent}  # autopar/ itself
     for stage in ("runtime", "cost_models", "searcher", "profiler"):
         module = sys.modules.get(f"autopar.{stage}")
         if module is None:

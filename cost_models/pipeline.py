@@ -11,36 +11,14 @@ schedules, whose backward is split into input- and weight-gradient passes, are i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
+from autopar.cost_models.pipeline_passes import Pass, PipelineResult  # re-exported: the report reads them here
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 SCHEDULES += ("interleaved_zb", "zbv")  # `cost_models.zero_bubble`
-
-
-@dataclass(frozen=True)
-class Pass:
-    rank: int
-    kind: str  # "F" or "B" (the whole backward; under a zero-bubble schedule its input-gradient part), or "W"
-    stage: int  # virtual stage index: rank + chunk * pp
-    microbatch: int
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True)
-class PipelineResult:
-    step_time_s: float
-    rank_busy_s: tuple[float, ...]
-    rank_end_s: tuple[float, ...]
-    peak_in_flight: tuple[float, ...]  # per rank: peak Σ over held micro-batches of their stage weight
-    timeline: tuple[Pass, ...]
-
-    @property
-    def bubble_s(self) -> float:
-        return self.step_time_s - max(self.rank_busy_s)
 
 
 def rank_order(schedule: str, rank: int, pp: int, num_microbatches: int, vp: int = 1) -> list[tuple[str, int, int]]:

@@ -17,6 +17,7 @@ weight pass), so a micro-batch's activations are held from its F until its W, no
 
 from __future__ import annotations
 
+from autopar.cost_models.pipeline_passes import Pass, PipelineResult
 from autopar.plan_schema import stage_rank
 
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", "zbv")
@@ -107,7 +108,6 @@ def simulate_split_backward(forward_s: list[float], backward_s: list[float], wei
                             stage_weight: list[float] | None):
     """`pipeline.simulate` for the zero-bubble schedules: `weight_s[s]` is the W part of `backward_s[s]`
     (None: no W part, B runs the whole backward). A transfer costs `p2p_s` only between two ranks."""
-    from autopar.cost_models.pipeline import Pass, PipelineResult
 
     stages = pp * vp
     weight_s = weight_s or [0.0] * stages
@@ -180,7 +180,6 @@ def estimate_split_backward(forward_s: list[float], backward_s: list[float], wei
     interleaved_zb's step is exact for uniform stages, zbv's at T_F = T_B = T_W; zbv's fixed order leaves
     more bubble otherwise (up to 8% of the step on the tests' grid).
     """
-    from autopar.cost_models.pipeline import PipelineResult
 
     stages, m = pp * vp, num_microbatches
     weight_s = weight_s or [0.0] * stages
