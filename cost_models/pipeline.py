@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from autopar.cost_models.pipeline_passes import Pass, PipelineResult  # re-exported: the report reads them here
+from autopar.cost_models.pipeline_passes import Pass, PipelineResult, run_passes  # Pass: the report reads it here
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 SCHEDULES += ("interleaved_zb", "zbv")  # `cost_models.zero_bubble`
@@ -80,40 +80,9 @@ def simulate(
         [(kind, chunk * pp + rank, mb) for kind, chunk, mb in rank_order(schedule, rank, pp, num_microbatches, vp)]
         for rank in range(pp)
     ]
-    done: dict[tuple[str, int, int], float] = {}
-    position = [0] * pp
-    free = [0.0] * pp
-    busy = [0.0] * pp
-    held = [0.0] * pp
-    peak = [0.0] * pp
-    timeline: list[Pass] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for rank in range(pp):
-            while position[rank] < len(orders[rank]):
-                kind, stage, mb = orders[rank][position[rank]]
-                ready = _ready_time(kind, stage, mb, stages, pp, done, p2p_s)
-                if ready is None:
-                    break
-                start = max(free[rank], ready)
-                duration = forward_s[stage] if kind == "F" else backward_s[stage]
-                end = start + duration
-                done[(kind, stage, mb)] = end
-                free[rank] = end
-                busy[rank] += duration
-                held[rank] += weights[stage] if kind == "F" else -weights[stage]
-                peak[rank] = max(peak[rank], held[rank])
-                timeline.append(Pass(rank, kind, stage, mb, start, end))
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, vp={vp}, m={num_microbatches})")
-    return PipelineResult(
-        step_time_s=max(free), rank_busy_s=tuple(busy), rank_end_s=tuple(free),
-        peak_in_flight=tuple(peak), timeline=tuple(timeline),
-    )
+    return run_passes(orders, lambda kind, stage: forward_s[stage] if kind == "F" else backward_s[stage],
+                      lambda kind, stage, mb, done: _ready_time(kind, stage, mb, stages, pp, done, p2p_s),
+                      weights, "B", f"schedule {schedule} deadlocked (pp={pp}, vp={vp}, m={num_microbatches})")
 
 
 def _ready_time(kind: str, stage: int, mb: int, stages: int, pp: int, done: dict, p2p_s: float) -> float | None:

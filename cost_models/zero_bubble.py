@@ -17,7 +17,7 @@ weight pass), so a micro-batch's activations are held from its F until its W, no
 
 from __future__ import annotations
 
-from autopar.cost_models.pipeline_passes import Pass, PipelineResult
+from autopar.cost_models.pipeline_passes import PipelineResult, run_passes
 from autopar.plan_schema import stage_rank
 
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", "zbv")
@@ -117,32 +117,9 @@ def simulate_split_backward(forward_s: list[float], backward_s: list[float], wei
     orders = [[(kind, virtual_stage(schedule, chunk, rank, pp), mb)
                for kind, chunk, mb in zero_bubble_order(schedule, rank, pp, num_microbatches, vp)]
               for rank in range(pp)]
-    done: dict[tuple[str, int, int], float] = {}
-    position, free, busy, held, peak = [0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp
-    timeline: list[Pass] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for rank in range(pp):
-            while position[rank] < len(orders[rank]):
-                kind, stage, mb = orders[rank][position[rank]]
-                ready = _split_ready_time(kind, stage, mb, stages, pp, schedule, done, p2p_s)
-                if ready is None:
-                    break
-                start = max(free[rank], ready)
-                end = start + duration[kind][stage]
-                done[(kind, stage, mb)] = free[rank] = end
-                busy[rank] += end - start
-                held[rank] += weights[stage] if kind == "F" else -weights[stage] if kind == "W" else 0.0
-                peak[rank] = max(peak[rank], held[rank])
-                timeline.append(Pass(rank, kind, stage, mb, start, end))
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, vp={vp}, m={num_microbatches})")
-    return PipelineResult(step_time_s=max(free), rank_busy_s=tuple(busy), rank_end_s=tuple(free),
-                          peak_in_flight=tuple(peak), timeline=tuple(timeline))
+    return run_passes(orders, lambda kind, stage: duration[kind][stage],
+                      lambda kind, stage, mb, done: _split_ready_time(kind, stage, mb, stages, pp, schedule, done, p2p_s),
+                      weights, "W", f"schedule {schedule} deadlocked (pp={pp}, vp={vp}, m={num_microbatches})")
 
 
 def _split_ready_time(kind: str, stage: int, mb: int, stages: int, pp: int, schedule: str, done: dict,
