@@ -288,6 +288,8 @@ def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str
     rules instead of dry-running every layout (seconds each: 5 s → 135 s for gpt3-13b on 64 GPUs).
     A head that reads one token (ViT's classifier) sends less than that ledger says; such a model is
     priced from dry runs. The probe's answer is `remember`ed (`autopar.probe_cache`)."""
+    from autopar.cost_models.facts import model_facts
+    from autopar.graph.twin import twin_answer
     from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.tp_placements import module_rules_refusal, planned_tp_placements
 
@@ -298,10 +300,21 @@ def _capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str
         return table
     dry = capabilities_for(model, inputs[0], loss_fn, precision)
     if module_rules_refusal(table, graph, facts) is None:
+        def run_as_priced(asked: nn.Module) -> bool:
+            """The probe on `asked`: the model, or a shallow twin of it (traced here)."""
+            asked_graph, asked_facts, asked_table = graph, facts, table
+            if asked is not model:
+                asked_graph = trace(asked, example_inputs, loss_fn=loss_fn, precision=precision,
+                                    name=graph.model_name, seq_len=graph.seq_len)
+                asked_facts = model_facts(asked_graph, heads=facts.heads, kv_heads=facts.kv_heads, vocab=facts.vocab)
+                asked_table = capabilities_for(asked)
+            asked_dry = dry if asked is model else capabilities_for(asked, inputs[0], loss_fn, precision)
+            probe = asked_dry.tp_realization(planned_tp_placements({}, asked_graph, asked_facts, 2), 2, False, 1)
+            return probe.name == "modules" and probe.placements is None and _priced_as_sent(
+                probe, asked_graph, asked_facts, cluster, asked_table)
+
         def rules_run_as_priced() -> bool:
-            probe = dry.tp_realization(planned_tp_placements({}, graph, facts, 2), 2, False, 1)
-            return probe.name == "modules" and probe.placements is None and _priced_as_sent(probe, graph, facts,
-                                                                                            cluster, table)
+            return twin_answer(model, run_as_priced)
 
         remember = remember or (lambda _kind, compute, **_arguments: compute())
         if remember("tp-module-rules", rules_run_as_priced, precision=precision, seq_len=graph.seq_len,
@@ -326,16 +339,30 @@ def _remembering(cache: str | Path | ProbeCache | None, model: nn.Module, exampl
 
 
 def _pipeline_probe(model: nn.Module, example_inputs: Any, loss_fn, remember: Remember):
-    """`probe_pipeline`'s answer (its capture of the whole forward), remembered as plain data."""
+    """`probe_pipeline`'s answer (its capture of the whole forward), remembered as plain data; asked of
+    shallow twins (`autopar.graph.twin`) when the stages would be cut between the blocks of the stack
+    the twins shorten."""
+    from autopar.graph.twin import twin_answer
     from autopar.runtime.pipeline.schedule import PipelineProbe, probe_pipeline
 
     def run() -> dict[str, Any]:
-        probe = probe_pipeline(model, example_inputs, loss_fn)
+        probe = twin_answer(model, lambda asked: probe_pipeline(asked, example_inputs, loss_fn)) \
+            if _pipeline_cuts_block_stack(model) else probe_pipeline(model, example_inputs, loss_fn)
         return {"refusal": probe.refusal, "training_settings": dict(probe.training_settings),
                 "dropped_outputs": list(probe.dropped_outputs)}
 
     answer = remember("pipeline", run)
     return PipelineProbe(answer["refusal"], dict(answer["training_settings"]), tuple(answer["dropped_outputs"]))
+
+
+def _pipeline_cuts_block_stack(model: nn.Module) -> bool:
+    """Whether the blocks pipeline stages are cut between are the children of `twin.block_stack`."""
+    from autopar.graph.twin import block_stack
+    from autopar.runtime.pipeline.schedule import repeated_blocks
+
+    found, blocks = block_stack(model), repeated_blocks(model)
+    return found is not None and len(blocks) == len(found[1]) \
+        and all(block.rpartition(".")[0] == found[0] for block in blocks)
 
 
 def _model_context_refusal(model: nn.Module, loss_fn) -> str | None:

@@ -127,7 +127,7 @@ def probe_pipeline(model: nn.Module, example_inputs: tuple | None = None,
     it leaves unread."""
     if example_inputs is None:
         return PipelineProbe(None)
-    blocks = _repeated_blocks(model)
+    blocks = repeated_blocks(model)
     if len(blocks) < 2:
         return PipelineProbe("the model has fewer than two repeated blocks to cut pipeline stages between")
     inputs = _on_model_device(model, example_inputs)
@@ -160,7 +160,7 @@ def _on_model_device(model: nn.Module, example_inputs) -> tuple[torch.Tensor, ..
     return tuple(torch.zeros(x.shape, dtype=x.dtype, device=device) for x in inputs)
 
 
-def _repeated_blocks(model: nn.Module) -> list[str]:
+def repeated_blocks(model: nn.Module) -> list[str]:
     """The outermost children of one container that share a type and own parameters (a model's layers)."""
     for path, module in model.named_modules():
         children = [(f"{path}.{name}" if path else name, child) for name, child in module.named_children()
