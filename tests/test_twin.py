@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-import autopar.api as api
+import autopar.planning_probes as probes
 import autopar.graph.twin as twin
 from autopar.cluster import load_cluster
 from autopar.cost_models.facts import model_facts
@@ -57,7 +57,7 @@ def test_the_whole_model_answers_when_twins_disagree_or_it_is_shallow():
 
 def _pipeline_answer(model, inputs, loss_fn, monkeypatch, twins: bool):
     monkeypatch.setattr(twin, "MIN_BLOCKS_FOR_TWINS", 8 if twins else 10**6)
-    return api._pipeline_probe(model, inputs, loss_fn, _never_remember)
+    return probes.pipeline_probe(model, inputs, loss_fn, _never_remember)
 
 
 @pytest.mark.parametrize("family", ["zoo-gpt", "qwen2-default", "qwen2-hidden-states"])
@@ -105,7 +105,7 @@ def test_the_tensor_parallel_probe_of_twins_is_the_whole_models(monkeypatch):
     answers = []
     for threshold in (10**6, 8):
         monkeypatch.setattr(twin, "MIN_BLOCKS_FOR_TWINS", threshold)
-        table = api._capabilities(model, inputs, spec.loss_fn, "bf16", graph, facts, cluster, {}, _never_remember)
+        table = probes.capabilities(model, inputs, spec.loss_fn, "bf16", graph, facts, cluster, {}, _never_remember)
         answers.append(table.tp_realization is None)  # None: the static module rules stand
     assert answers == [True, True] and depths == [10, 2, 3]
     assert len(model.layers) == 10  # the model was not cut
