@@ -29,6 +29,7 @@ from autopar.errors import AutoparError
 from autopar.graph.capture import model_fingerprint
 from autopar.plan_schema import Plan
 from autopar.capabilities import whole_stage_problem
+from autopar.runtime.allocator import configure_allocator
 from autopar.runtime.compile import compile_blocks, compile_forward_loss
 from autopar.runtime.context_parallel import ContextParallel, apply_context_parallel, context_parallel_problem
 from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter_device, set_microbatch_boundary
@@ -331,6 +332,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     placements = {name: tp_placement(text) for name, text in plan.param_placements.items()}
     head_path = head_path if head_path is not None else default_head_path(model)
     layout = build_layout(plan)  # 1. mesh (checks the world size before any collective)
+    allocator = configure_allocator(layout.device)  # 1b. before this rank's first CUDA tensor
     source = InitSource(model, seed)
     # every alias of a tied weight carries its placement (a stage may hold only the head's alias)
     placements.update({alias: placements[name] for alias, name in source.alias.items() if name in placements})
@@ -385,7 +387,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     parallel.context = context
     if compile and whole_stage_problem(s) is None:  # 8b. the whole stage and its loss as one graph
         parallel.forward_loss = compile_forward_loss(modules[0], loss_fn)
-    parallel.optimizations = applied_optimizations(model, s, compile)
+    parallel.optimizations = {**applied_optimizations(model, s, compile), "allocator": allocator}
     replicas = layout.gradient_mesh().size()  # dp, or dp x cp: the ranks holding the same weights
     buckets = s.zero == 0 and replicas > 1
     if cut is not None:  # 9. the pipeline schedule over this rank's stages

@@ -73,5 +73,6 @@ def test_offloaded_states_step_with_fused_host_adamw_like_foreach(one_process_gr
     parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=SEED)
     optimizer = parallel.build_optimizer(LR)
     assert parallel.optimizations["optimizer"] == "AdamW fused on the host"
+    assert parallel.optimizations["allocator"] == "not applied (not a CUDA device)"
     losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(overrides, data)), rtol=1e-5, atol=0)

@@ -1,0 +1,41 @@
+"""The CUDA caching allocator's setting for training: expandable segments.
+
+Without them the allocator carves tensors out of fixed segments and keeps what it freed, so a step
+that allocates and frees blocks of many sizes (a layer's activations under full recompute, FSDP2's
+gathered weights, the offloaded optimizer's copies) reserves far more than its tensors hold: on the
+lent H100 `max_memory_reserved` was 6.4 GB above `max_memory_allocated` for GPT-1.3B with full
+recompute, and 3.6 GB (56%) above it for GPT-2.7B with optimizer offload
+(benchmarks/gpu_runs/h100-2026-11-26-2fef514.json). Expandable segments grow one mapping per
+stream instead (PyTorch's CUDA semantics notes, "Optimizing memory usage with
+PYTORCH_CUDA_ALLOC_CONF"). Not yet measured on a GPU with autopar: `benchmarks/gpu_suite.py`
+records allocated and reserved memory per plan. A setting the user gave in `PYTORCH_CUDA_ALLOC_CONF` or
+`PYTORCH_ALLOC_CONF` is left as it is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SETTING = "expandable_segments:True"
+USER_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def configure_allocator(device: torch.device) -> str:
+    """Turn expandable segments on for `device` when it is a CUDA device and the user set nothing;
+    returns what was done, in a few words (`autopar run` prints it)."""
+    if device.type != "cuda":
+        return "not applied (not a CUDA device)"
+    given = next((name for name in USER_SETTINGS if os.environ.get(name)), None)
+    if given is not None:
+        return f"as the user set it ({given}={os.environ[given]})"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    try:
+        if setter is not None:
+            setter(SETTING)
+        else:
+            torch.cuda.memory._set_allocator_settings(SETTING)
+    except (RuntimeError, AttributeError) as error:  # a platform without them
+        return f"default (expandable segments unavailable: {str(error).splitlines()[0]})"
+    return "expandable segments"
