@@ -391,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         suite.save()
         suite.say(f"{name}: {row['status']} " + (f"{row['step_time_s_mean'] * 1e3:.1f} ms (predicted "
                   f"{row['predicted']['step_time_s'] * 1e3:.1f})" if row["status"] == "ok" else ""))
+    # parallelize configures the CUDA allocator for the process (runtime/allocator.py): the baselines
+    # after the plans run under that setting too
+    ran = [row for row in suite.record["plans"] if "optimizations" in row]
+    suite.record["baselines_allocator"] = ran[-1]["optimizations"].get("allocator", "default") if ran else "default"
     gpt13_params = params_of("gpt", SMOKE_CONFIG) if args.smoke else params_of(GPT13[0], GPT13[1])
     tokens = (4 * 64) if args.smoke else 8 * GPT13[2]
     for name, factory in baselines(args.device, args.smoke, args.steps) if "baselines" not in skip else []:

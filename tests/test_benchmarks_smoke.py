@@ -74,6 +74,7 @@ def test_gpu_suite_runs_on_cpu(tmp_path):
     assert [row["case"] for row in record["plans"]] == ["smoke-mb4", "smoke-searched"]
     assert all(row["status"] == "ok" and row["predicted"]["step_time_s"] > 0 for row in record["plans"])
     assert record["plans"][0]["optimizations"]["vocab padding"] == "257 -> 384 rows (padded logits masked)"
+    assert record["baselines_allocator"] == "not applied (not a CUDA device)"
     assert [row["variant"] for row in record["baselines"]] == ["plain eager", "reference eager"]
     assert record["op_profile"]["status"] == "ok" and (tmp_path / "gpu_suite_profile.db").exists()
     assert {row["goal"] for row in record["verdicts"]} >= {"no out-of-memory on a plan the searcher accepts"}
