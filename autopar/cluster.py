@@ -140,6 +140,10 @@ class ClusterSpec(_Spec):
     host_link: LinkSpec = Field(default_factory=lambda: HOST_LINK_PRESETS["pcie4-x16"])
     host_memory_bytes: Bytes = Field(default=2**40)
     host_memory_bandwidth_bytes_per_s: float = Field(default=409.6e9, gt=0)
+    # Parameters per second the runtime's CPU AdamW (fused) steps on one node with all its cores,
+    # measured (`autopar.host_rates`, which `--cluster local` runs); None: priced from the host
+    # memory bandwidth (`cost_models.offload.cpu_adam_time_s`).
+    host_optimizer_params_per_s: float | None = Field(default=None, gt=0)
 
     @property
     def world_size(self) -> int:
@@ -421,9 +425,21 @@ def detect_local_cluster() -> ClusterSpec:
     # The device's own capacity is what allocations will actually meet; the peaks are the preset's.
     gpu = GpuSpec.model_validate({**preset.model_dump(), "memory_bytes": memory_bytes})
     nvlink = "nvlink3" if preset.name.startswith("A100") else "nvlink4"
-    host = _DGX_HOSTS["a100-80gb" if preset.name.startswith("A100") else "h100"]
+    host = {**_DGX_HOSTS["a100-80gb" if preset.name.startswith("A100") else "h100"], **_measured_host()}
     return ClusterSpec(name=LOCAL, gpu=gpu, gpus_per_node=count, num_nodes=1, intra_node=LINK_PRESETS[nvlink],
                        **{**host, "host_memory_bytes": _physical_memory_bytes()})
+
+
+def _measured_host() -> dict[str, Any]:
+    """This host's CPU AdamW rate and its PCIe link to GPU 0, measured (`autopar.host_rates`)."""
+    import torch
+
+    from autopar.host_rates import host_optimizer_params_per_s, pcie_bytes_per_s
+
+    source = "measured on this machine by autopar.host_rates (pinned copies, the slower direction)"
+    link = LinkSpec(name="pcie-measured", bandwidth_bytes_per_s=pcie_bytes_per_s(torch.device("cuda", 0)),
+                    latency_s=HOST_LINK_PRESETS["pcie5-x16"].latency_s, efficiency=1.0, source=source)
+    return {"host_link": link, "host_optimizer_params_per_s": host_optimizer_params_per_s()}
 
 
 def match_gpu(device_name: str, memory_bytes: int) -> GpuSpec | None:

@@ -3,11 +3,11 @@
 `offload=optimizer` prices the CPU Adam step as bytes moved (28 per parameter: read the fp32
 weight, gradient and two moments, write weight and moments) over the node's host memory bandwidth
 times `cost_models.offload.CPU_ADAM_EFFICIENCY`. No published figure gives that fraction for
-torch's Adam, so this measures it: torch.optim.Adam's step on CPU (its default foreach kernels,
-what FSDP2's CPU offload runs) against a plain copy (2 bytes moved per byte copied, STREAM's copy)
-on the same threads and sizes.
+torch's Adam, so this measures it: torch's AdamW step on CPU (`--implementation fused`, what the
+runtime steps offloaded shards with, `runtime.optimizer`; or `foreach`, torch's default) against a
+plain copy (2 bytes moved per byte copied, STREAM's copy) on the same threads and sizes.
 
-    python benchmarks/cpu_adam_rate.py [--params 20000000] [--threads 1]
+    python benchmarks/cpu_adam_rate.py [--params 20000000] [--threads 1] [--implementation fused]
 """
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=20_000_000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--implementation", choices=("fused", "foreach"), default="fused")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} thread(s), "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}, AdamW {args.implementation}")
     # a few tensors, as FSDP2's flat shards per unit
     params = [torch.nn.Parameter(torch.randn(args.params // 8)) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.Adam(params, lr=1e-4)
+    fused = args.implementation == "fused"
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=fused, foreach=None if fused else True)
     optimizer.step()  # allocate the moments
     adam_s = best_of(args.repeats, optimizer.step)
     source = torch.randn(args.params)

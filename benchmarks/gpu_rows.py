@@ -59,8 +59,31 @@ def rows_of(path: Path) -> list[dict]:
                      "precision": row["precision"], "fixed": ",".join(f"{k}={v}" for k, v in fixed.items()),
                      "measured_s": measured["step_time_s_mean"],
                      "reserved_bytes": measured["max_memory_reserved_bytes"],
-                     "allocated_bytes": measured["max_memory_allocated_bytes"]})
+                     "allocated_bytes": measured["max_memory_allocated_bytes"],
+                     "host": _measured_host(row.get("predicted_on_this_host") or {})})
     return rows
+
+
+def _measured_host(priced: dict) -> dict | None:
+    """The host rates gpu_suite measured beside an offload row (`priced_on_this_host`), or None."""
+    if not priced.get("host_optimizer_params_per_s"):
+        return None
+    return {"host_optimizer_params_per_s": priced["host_optimizer_params_per_s"],
+            "host_link_bytes_per_s": priced["host_link_bytes_per_s"]}
+
+
+def _cluster(host: dict | None):
+    """One H100 of the preset; with the host the row ran on where the suite measured it."""
+    import autopar
+    from autopar.cluster import LinkSpec
+
+    cluster = autopar.load_cluster("dgx-h100", gpus=1)
+    if host is None:
+        return cluster
+    link = LinkSpec(name="pcie-measured", bandwidth_bytes_per_s=host["host_link_bytes_per_s"],
+                    latency_s=cluster.host_link.latency_s)
+    return cluster.model_copy(update={"host_link": link,
+                                      "host_optimizer_params_per_s": host["host_optimizer_params_per_s"]})
 
 
 @functools.cache
@@ -75,7 +98,7 @@ def predict(row: dict, profile: Path | None = None) -> tuple[float, int]:
 
     spec = _spec(row["model"], row["model_config"])
     result = autopar.plan(spec.module, spec.example_inputs(1, row["seq_len"]),
-                          cluster=autopar.load_cluster("dgx-h100", gpus=1), global_batch=row["global_batch"],
+                          cluster=_cluster(row.get("host")), global_batch=row["global_batch"],
                           loss_fn=spec.loss_fn, precision=row["precision"], name=row["model"],
                           seq_len=row["seq_len"], strategy=row["fixed"], profile=profile)
     if result.plan is not None:
@@ -99,7 +122,8 @@ def table(paths: list[Path], profile: Path | None = None, only_model: str | None
         worst_time = max(worst_time, abs(error), key=abs)
         worst_under = max(worst_under, under)
         print(f"{row['source']:34} {row['case']:22} {step_s * 1e3:8.1f} {row['measured_s'] * 1e3:8.1f} "
-              f"{error:+7.1%} {peak / GiB:8.1f} {row['reserved_bytes'] / GiB:8.1f} {under:+6.1%}")
+              f"{error:+7.1%} {peak / GiB:8.1f} {row['reserved_bytes'] / GiB:8.1f} {under:+6.1%}"
+              + ("  (its host's measured rates)" if row.get("host") else ""))
     print(f"worst step-time error {worst_time:.1%} (goal 10%: {'met' if worst_time <= 0.10 else 'missed'}); "
           f"worst memory under-prediction {worst_under:+.1%} (goal <= 2%: "
           f"{'met' if worst_under <= 0.02 else 'missed'})")

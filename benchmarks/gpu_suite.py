@@ -106,6 +106,27 @@ def make_plans(cases: list[tuple], say) -> dict[str, dict]:
     return made
 
 
+def priced_on_this_host(case: tuple, device: str) -> dict:
+    """An offload plan's strategy priced on `--cluster local`, whose host rates are measured here
+    (`autopar.host_rates`: the fused CPU AdamW and pinned PCIe copies), beside the preset's DGX host."""
+    import autopar
+    from autopar.models import build_model
+
+    if device != "cuda":
+        return {"status": "skipped: the host is measured against a CUDA device"}
+    _, model, config, seq_len, batch, precision, strategy, _ = case
+    cluster = autopar.load_cluster("local", gpus=1)
+    spec = build_model(model, config)
+    result = autopar.plan(spec.module, spec.example_inputs(1, seq_len), cluster=cluster, global_batch=batch,
+                          loss_fn=spec.loss_fn, precision=precision, name=model, seq_len=seq_len, strategy=strategy)
+    host = {"host_optimizer_params_per_s": cluster.host_optimizer_params_per_s,
+            "host_link_bytes_per_s": cluster.host_link.bandwidth_bytes_per_s}
+    if result.plan is None:
+        return {"status": f"refused: {result.no_fit_reason()}", **host}
+    predicted = result.plan.predicted
+    return {"status": "ok", "step_time_s": predicted.step_time_s, "breakdown": predicted.breakdown, **host}
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -385,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             row |= run_plan(case, planned, args.device, args.steps)
             if row["status"] == "ok":
                 row["mfu"] = mfu(params_of(model, config), batch * seq_len, row["step_time_s_mean"], peak)
+            if strategy and "offload=optimizer" in strategy and suite.afford(f"host rates {name}", 20):
+                row["predicted_on_this_host"] = guarded(lambda: priced_on_this_host(case, args.device))
         else:
             continue
         suite.record["plans"].append(row)

@@ -9,9 +9,11 @@ et al. 2021, which also overlaps the CPU step with the next forward and delays p
   one FSDP unit ahead) and gradient shards device→host (4 bytes, after their reduce-scatter),
   as often as the ZeRO stage gathers and reduces (`transfers_per_step`). Each direction hides
   behind the passes it overlaps except, at least, one unit's share.
-- The Adam step runs on the CPU after the last backward, exposed: 28 bytes per parameter over the
-  GPU's share of the node's host memory bandwidth, at `CPU_ADAM_EFFICIENCY`. The device's own
-  optimizer step is gone.
+- The Adam step runs on the CPU after the last backward, exposed. The runtime steps the host shards
+  with torch's fused CPU AdamW (`runtime.optimizer`). Priced at the host's measured rate
+  (`ClusterSpec.host_optimizer_params_per_s`, which `--cluster local` measures), shared by the node's
+  GPUs; without one, as 28 bytes per parameter over the GPU's share of the node's host memory
+  bandwidth at `CPU_ADAM_EFFICIENCY`. The device's own optimizer step is gone.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ TRANSFER_BYTES_PER_PARAM = 4
 # CPU Adam moves what the device's does: read weight, gradient and two moments, write weight and
 # moments (no low-precision copy: the cast happens on the device before the all-gather).
 CPU_ADAM_BYTES_PER_PARAM = 28
-# torch's CPU Adam (foreach, fp32) moves its 28 bytes per parameter at 0.27-0.28 of the rate a plain
-# tensor copy reaches on the same thread and sizes (benchmarks/cpu_adam_rate.py on this 2-core VM,
-# 20M and 40M parameters). Applied to the datasheet's DDR bandwidth, so it is optimistic by the
-# share of that bandwidth a copy reaches (STREAM's copy: typically 0.7-0.8); no published rate of
-# torch's CPU Adam was found to replace it.
-CPU_ADAM_EFFICIENCY = 0.27
+# torch's fused CPU AdamW (fp32) moves its 28 bytes per parameter at 1.7 (one thread) to 2.1 (two
+# threads) times the rate a plain tensor copy reaches on the same sizes, 2**25 parameters
+# (benchmarks/cpu_adam_rate.py --implementation fused on this 2-core VM; the foreach step, which the
+# runtime no longer runs on the host, reached 0.27-0.33). Its updates are in place, so it pays none of
+# the copy's write-allocate traffic: it runs at the memory's own rate. Taken as the datasheet's DDR
+# bandwidth, an upper bound (a host sustains a share of its datasheet); a measured rate replaces it.
+CPU_ADAM_EFFICIENCY = 1.0
 
 
 def host_bytes_per_param(optimizer_state: str = "fp32") -> int:
@@ -56,7 +59,10 @@ def pcie_time_s(bytes_moved: float, cluster: ClusterSpec) -> float:
 
 
 def cpu_adam_time_s(params: float, cluster: ClusterSpec) -> float:
-    """The node's GPUs step their shards at once, so each gets its share of the host's bandwidth."""
+    """The node's GPUs step their shards at once, so each gets its share of the host: of its
+    measured AdamW rate when the cluster has one, else of its memory bandwidth."""
+    if cluster.host_optimizer_params_per_s is not None:
+        return params * cluster.gpus_per_node / cluster.host_optimizer_params_per_s
     per_gpu = cluster.host_memory_bandwidth_bytes_per_s / cluster.gpus_per_node
     return params * CPU_ADAM_BYTES_PER_PARAM / (per_gpu * CPU_ADAM_EFFICIENCY)
 

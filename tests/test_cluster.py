@@ -12,6 +12,7 @@ from autopar.cluster import (
     GPU_PRESETS,
     ClusterSpec,
     GpuSpec,
+    LinkSpec,
     detect_local_cluster,
     list_presets,
     load_cluster,
@@ -202,8 +203,14 @@ def _fake_cuda(monkeypatch, names, memory_bytes):
 
 
 def test_local_matches_gpus_and_keeps_their_real_memory(monkeypatch):
+    import autopar.cluster as cluster_module
+
     _fake_cuda(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 4, 85_045_051_392)
+    measured_link = LinkSpec(name="pcie-measured", bandwidth_bytes_per_s=24e9, latency_s=1e-5)
+    monkeypatch.setattr(cluster_module, "_measured_host",  # the host's rates, measured on a real GPU only
+                        lambda: {"host_link": measured_link, "host_optimizer_params_per_s": 2.5e9})
     cluster = load_cluster("local")
+    assert cluster.host_link == measured_link and cluster.host_optimizer_params_per_s == 2.5e9
     assert (cluster.name, cluster.world_size, cluster.gpu.name) == ("local", 4, "H100-SXM5-80GB")
     assert cluster.gpu.memory_bytes == 85_045_051_392
     assert cluster.gpu.peak_flops_per_s("bf16") == 989e12

@@ -84,6 +84,24 @@ def test_offload_time_is_the_pcie_copies_and_the_cpu_adam_step(small_facts):
     assert moved.step_time_s == pytest.approx(kept.step_time_s - kept.breakdown["optimizer"] + cpu_step + exposed)
 
 
+def test_a_measured_host_rate_prices_the_cpu_step(small_facts):
+    """A cluster that measured its host (`--cluster local`) prices the CPU AdamW step at that rate,
+    shared by the node's GPUs, instead of the host memory bandwidth."""
+    cluster = autopar.load_cluster("dgx-h100", gpus=2).model_copy(update={"host_optimizer_params_per_s": 1.5e9})
+    moved = evaluate(small_facts, cluster, _strategy(offload="optimizer"), 8)
+    shard = small_facts.num_params / 2
+    assert moved.breakdown["cpu_optimizer"] == pytest.approx(shard * 2 / 1.5e9)
+
+
+def test_the_host_rate_measured_is_the_runtimes_optimizer():
+    """`autopar.host_rates` times the fused CPU AdamW, which the runtime steps host shards with."""
+    from autopar.host_rates import host_optimizer_params_per_s
+    from autopar.runtime.optimizer import optimizer_implementation
+
+    assert optimizer_implementation([torch.zeros(4)], offload="optimizer") == "fused"
+    assert host_optimizer_params_per_s(params=2**16, repeats=1) > 1e6
+
+
 def test_zero2_and_zero3_copy_every_micro_batch():
     assert offload_cost_model.transfers_per_step(1, 4) == (1, 1)
     assert offload_cost_model.transfers_per_step(2, 4) == (1, 4)
@@ -219,3 +237,25 @@ def test_offload_parity_and_ledger_on_two_processes():
         for rank in ranks:
             assert rank["policies"] == ["CPUOffloadPolicy"], rank["policies"]
             assert rank["parameter_devices"] == ["cpu"]
+
+
+def test_gpu_rows_prices_an_offload_row_on_the_host_it_ran_on(tmp_path, monkeypatch):
+    """benchmarks/gpu_rows.py re-prices a gpu_suite offload row with the host rates the suite measured
+    beside it (`priced_on_this_host`), not the preset DGX host's."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_rows
+
+    row = {"case": "offload", "model": "gpt", "model_config": None, "seq_len": 16, "global_batch": 4,
+           "precision": "bf16", "strategy": {"dp": 1, "tp": 1, "pp": 1, "zero": 3, "recompute": "none",
+                                             "microbatch": 4, "offload": "optimizer"},
+           "step_time_s_mean": 1.0, "max_memory_reserved_bytes": 1, "max_memory_allocated_bytes": 1,
+           "predicted_on_this_host": {"status": "ok", "host_optimizer_params_per_s": 2e9,
+                                      "host_link_bytes_per_s": 20e9}}
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps({"plans": [row, {**row, "case": "unmeasured", "predicted_on_this_host": None}]}))
+    measured, unmeasured = gpu_rows.rows_of(path)
+    cluster = gpu_rows._cluster(measured["host"])
+    assert cluster.host_optimizer_params_per_s == 2e9 and cluster.host_link.effective_bandwidth_bytes_per_s == 20e9
+    assert unmeasured["host"] is None and gpu_rows._cluster(None).host_optimizer_params_per_s is None

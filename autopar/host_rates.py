@@ -1,0 +1,58 @@
+"""What this machine's host does for optimizer-state offload, measured: the CPU AdamW step the
+runtime runs there, and the PCIe copies between a GPU and pinned host memory.
+
+A preset's host is a DGX's (`cluster._DGX_HOSTS`), which the machine autopar runs on need not be:
+on the lent H100 (a 16-core VM) an offloaded GPT-2.7B step took 2.67 s where the DGX host prices
+0.94 s (benchmarks/gpu_runs/h100-2026-11-26-2fef514.json). `--cluster local` measures both rates
+(about a second) so that offload is priced on the host that runs it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+HOST_OPTIMIZER_PARAMS = 2**25  # 128 MiB per fp32 tensor: far past any CPU cache
+PCIE_BYTES = 2**28
+REPEATS = 3
+
+
+def host_optimizer_params_per_s(params: int = HOST_OPTIMIZER_PARAMS, repeats: int = REPEATS) -> float:
+    """Parameters per second torch's fused CPU AdamW steps on this host (all its threads), as the
+    runtime steps offloaded shards (`runtime.optimizer`: fused on the host): the best of `repeats`
+    steps over eight tensors, as FSDP2's flat shards per unit."""
+    shards = [torch.nn.Parameter(torch.randn(params // 8)) for _ in range(8)]
+    for shard in shards:
+        shard.grad = torch.randn_like(shard)
+    optimizer = torch.optim.AdamW(shards, lr=1e-4, fused=True)
+    optimizer.step()  # the moments
+    return params / _best_s(optimizer.step, repeats)
+
+
+def pcie_bytes_per_s(device: torch.device, size: int = PCIE_BYTES, repeats: int = REPEATS) -> float:
+    """One direction's bytes per second between `device` and pinned host memory: the slower of
+    host→device and device→host, as FSDP2's CPU offload copies (pinned, non-blocking)."""
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(size, dtype=torch.uint8, device=device)
+
+    def copy(target, source):
+        def run():
+            target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize(device)
+        return run
+
+    run = copy(gpu, host)
+    run()
+    to_device = size / _best_s(run, repeats)
+    to_host = size / _best_s(copy(host, gpu), repeats)
+    return min(to_device, to_host)
+
+
+def _best_s(run, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
