@@ -119,7 +119,6 @@ def test_two_processes_data_parallel_and_zero_compiled():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason='known bug, failing at a7ddb44 too (the first full CI run, issue #28): under tp=2 with sp and selective recompute no compiled graph runs (dynamo counts 0)')
 def test_two_processes_tensor_parallel_compiled():
     _run([dict(dp=1, tp=2, pp=1, zero=0, microbatch=4),
           dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4, recompute="selective")], world=2)

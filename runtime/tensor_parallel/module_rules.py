@@ -290,15 +290,18 @@ class _BlockInput(ParallelStyle):
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, (layout,), run_check=False)
             x = x.redistribute(device_mesh, (Replicate(),))
-            # Only the dry run checks (training and compiled blocks rely on the dry run the plan was searched with).
-            check = ProjectionsOnly(x, self.path) if low is not None and block_inputs_checked() else None
-            if check is not None:
-                check.__enter__()
-            checks.append(check)
+            # Only the dry run checks (training and compiled blocks rely on the dry run the plan was searched
+            # with), and only then is the stack touched: a compiled block under activation checkpointing
+            # may not mutate state from outside the checkpoint (dynamo refuses and runs the block eagerly).
+            if block_inputs_checked():
+                check = ProjectionsOnly(x, self.path) if low is not None else None
+                if check is not None:
+                    check.__enter__()
+                checks.append(check)
             return x
 
         def leave(_module, _args, _kwargs, _output):
-            check = checks.pop() if checks else None
+            check = checks.pop() if checks and block_inputs_checked() else None
             if check is not None:
                 check.__exit__(None, None, None)
 
