@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
+import gc
 import hashlib
 import logging
 from typing import Any, Callable
@@ -30,12 +32,14 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import CaptureError
 from autopar.graph import flops as work
-from autopar.graph.attention import AttentionRecorder
+from autopar.graph.attention import AttentionCall, AttentionRecorder
 from autopar.graph.ir import OpGraph, OpNode, ParamInfo, StepMemory, TensorMeta
 from autopar.graph.kernels import GpuKernels
 from autopar.graph.layers import detect_layer_types
 from autopar.graph.moe import find_moe_layers
+from autopar.graph.repeats import expanded_step
 
+logger = logging.getLogger(__name__)
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -48,6 +52,7 @@ def trace(
     name: str | None = None,
     seq_len: int | None = None,
     attention: str = "fused",
+    expand_repeats: bool = True,
 ) -> OpGraph:
     """Trace `model` on `example_inputs` (a tensor, a tuple, or a dict of keyword inputs).
 
@@ -56,6 +61,8 @@ def trace(
     compute dtype of `precision`: the model itself is not modified and may live on any device.
     `attention="math"` keeps attention unfused (scores materialized), as software without a fused
     attention kernel runs it; the default is the fused kernel a GPU runs.
+    `expand_repeats`: a deep stack of identical blocks is traced at a few blocks and expanded to its
+    depth where that provably gives the full trace (`autopar.graph.repeats`); False traces every block.
     """
     if attention not in ("fused", "math"):
         raise CaptureError(f"unknown attention {attention!r}: use 'fused' or 'math'")
@@ -64,14 +71,54 @@ def trace(
     dtype = PRECISIONS[precision]
     name = name or type(model).__name__
     args, kwargs = _split_inputs(example_inputs)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise CaptureError(f"model {name} has no trainable parameters: nothing to parallelize for training")
 
-    params, infos = _meta_parameters(model, dtype)
+    def trace_step(module: nn.Module) -> StepTrace:
+        return _trace_step(module, args, kwargs, loss_fn=loss_fn, dtype=dtype, name=name, attention=attention)
+
+    with _gc_paused():
+        step = None
+        if expand_repeats:
+            step, reason = expanded_step(model, trace_step, lambda module, traced: _graph(
+                module, traced, precision=precision, dtype=dtype, name=name, seq_len=seq_len))
+            if step is None:
+                logger.debug("tracing every block of %s: %s", name, reason)
+        return _graph(model, step or trace_step(model), precision=precision, dtype=dtype, name=name, seq_len=seq_len)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Tracing allocates hundreds of thousands of small objects (fx nodes, fake tensors, OpNodes), which
+    set off Python's cyclic collector again and again over a heap that keeps growing: a third of the
+    capture's time. Pausing it while tracing changes nothing traced; what is left is collected later."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@dataclasses.dataclass
+class StepTrace:
+    """What tracing one training step yields; the rest of an OpGraph follows from the model."""
+
+    nodes: list[OpNode]
+    attention_calls: list[AttentionCall]
+    inputs: list[TensorMeta]
+    batch: int
+    seq_len: int | None  # of the token-id input, if any
+
+
+def _trace_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn, dtype: torch.dtype, name: str,
+                attention: str) -> StepTrace:
+    params, _ = _meta_parameters(model, dtype)
     buffers = {n: _to_meta(b, dtype) for n, b in model.named_buffers()}
     meta_args = [_to_meta(a, dtype) if isinstance(a, torch.Tensor) else a for a in args]
     meta_kwargs = {k: _to_meta(v, dtype) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     trainable = [n for n, p in params.items() if p.requires_grad]
-    if not trainable:
-        raise CaptureError(f"model {name} has no trainable parameters: nothing to parallelize for training")
 
     tags = _ModuleTagger(model)
     attention_calls = AttentionRecorder(model, tags.current_path)
@@ -122,23 +169,34 @@ def trace(
         + [f"input:{i}" for i in tensor_arg_positions]
         + [f"input:{k}" for k in tensor_kwarg_keys]
     )
-    nodes = _convert(graph_module.graph, placeholder_names, tags.module_for_seq)
-    layer_types = detect_layer_types(model, nodes)
-    seq = seq_len if seq_len is not None else _seq_of(meta_args, meta_kwargs)
+    return StepTrace(
+        nodes=_convert(graph_module.graph, placeholder_names, tags.module_for_seq),
+        attention_calls=attention_calls.calls(),
+        inputs=[_meta(t) for t in flat_inputs[len(param_names) + len(buffer_names):]],
+        batch=_batch_of(meta_args, meta_kwargs),
+        seq_len=_seq_of(meta_args, meta_kwargs),
+    )
+
+
+def _graph(model: nn.Module, step: StepTrace, *, precision: str, dtype: torch.dtype, name: str,
+           seq_len: int | None) -> OpGraph:
+    """The OpGraph of `model` from its traced step: parameters, layer types, memory and MoE facts."""
+    params, infos = _meta_parameters(model, dtype)
+    seq = seq_len if seq_len is not None else step.seq_len
     return OpGraph(
         model_name=name,
         model_fingerprint=model_fingerprint(model),
         precision=precision,
-        batch=_batch_of(meta_args, meta_kwargs),
+        batch=step.batch,
         seq_len=seq,
-        inputs=[_meta(t) for t in flat_inputs[len(param_names) + len(buffer_names):]],
-        nodes=nodes,
+        inputs=step.inputs,
+        nodes=step.nodes,
         params=infos,
-        layer_types=layer_types,
+        layer_types=detect_layer_types(model, step.nodes),
         step_memory=_step_memory(params, dtype),
         torch_version=torch.__version__,
         moe_layers=find_moe_layers(model, seq),
-        attention_calls=attention_calls.calls(),
+        attention_calls=step.attention_calls,
     )
 
 
