@@ -1,9 +1,10 @@
 """Capture time and peak memory of graph capture, from gpt2-124m to gpt3-175b and llama3-405b.
 
 Each model is traced in its own process so that its peak RSS is its own. Goal on the 2-core CPU
-machine: gpt3-175b captured in ≤ 60 s and ≤ 4 GiB RSS.
+machine: gpt3-175b captured in ≤ 60 s and ≤ 4 GiB RSS. A deep stack is captured from a shallow twin
+(`autopar.graph.repeats`); `--full-trace` traces every block instead, for comparison.
 
-    python benchmarks/trace_scaling.py [--models gpt2-124m,gpt3-175b] [--batch 1] [--precision bf16]
+    python benchmarks/trace_scaling.py [--models gpt2-124m,gpt3-175b] [--batch 1] [--precision bf16] [--full-trace]
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ DEFAULT_MODELS = [
 ]
 
 
-def measure_one(name: str, batch: int, precision: str) -> dict:
+def measure_one(name: str, batch: int, precision: str, full_trace: bool = False) -> dict:
     from autopar.graph import trace
     from autopar.models import build_model
 
     started = time.perf_counter()
     spec = build_model(name)
     built = time.perf_counter()
-    graph = trace(spec.module, spec.example_inputs(batch), loss_fn=spec.loss_fn, precision=precision, name=name)
+    graph = trace(spec.module, spec.example_inputs(batch), loss_fn=spec.loss_fn, precision=precision, name=name,
+                  expand_repeats=not full_trace)
     traced = time.perf_counter()
     peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {
@@ -48,19 +50,22 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--full-trace", action="store_true", help="trace every block (no shallow twin)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one model in this process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure_one(args.one, args.batch, args.precision)))
+        print(json.dumps(measure_one(args.one, args.batch, args.precision, args.full_trace)))
         return
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, "
-          f"{__import__('os').cpu_count()} CPUs; batch {args.batch}, {args.precision}")
+          f"{__import__('os').cpu_count()} CPUs; batch {args.batch}, {args.precision}"
+          + (", every block traced" if args.full_trace else ""))
     header = f"{'model':<13} {'params':>8} {'seq':>5} {'ops':>6} {'build s':>8} {'capture s':>9} {'peak RSS':>9}  layer types"
     print(header)
     print("-" * len(header))
     for name in args.models.split(","):
         result = subprocess.run(
-            [sys.executable, __file__, "--one", name, "--batch", str(args.batch), "--precision", args.precision],
+            [sys.executable, __file__, "--one", name, "--batch", str(args.batch), "--precision", args.precision]
+            + (["--full-trace"] if args.full_trace else []),
             capture_output=True, text=True,
         )
         if result.returncode:
