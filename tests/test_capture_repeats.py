@@ -138,6 +138,26 @@ class FlaggedBlock(Block):
         return x * 2 if self.doubles else x
 
 
+class SharedInputBlock(Block):
+    def forward(self, x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * shared
+
+
+class SharedParameter(nn.Module):
+    """Every block reads one trainable parameter: the last block's backward (the first to run) holds
+    no gradient accumulation, the others add to the running sum, so no block is a template for all."""
+
+    def __init__(self, blocks: int = 10) -> None:
+        super().__init__()
+        self.shared = nn.Parameter(torch.ones(16))
+        self.layers = nn.ModuleList(SharedInputBlock(i) for i in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, self.shared)
+        return x
+
+
 class Stack(nn.Module):
     def __init__(self, blocks: list[nn.Module], by_count: bool = False) -> None:
         super().__init__()
@@ -161,7 +181,9 @@ class Stack(nn.Module):
     (Stack([Block(i, extra=i == 6) for i in range(10)]), "0 stacks"),
     (Stack([Block(i) for i in range(MIN_BLOCKS - 1)]), "0 stacks"),
     (Stack([Block(i) for i in range(10)], by_count=True), "the twin's trace failed"),
-], ids=["branches-on-index", "per-layer-flag", "non-index-int", "non-uniform", "short", "indexed-by-count"])
+    (SharedParameter(), "a value shared by every block?"),
+], ids=["branches-on-index", "per-layer-flag", "non-index-int", "non-uniform", "short", "indexed-by-count",
+        "shared-parameter"])
 def test_models_the_shortcut_cannot_serve_get_the_full_trace(model, why):
     fast, full, fell_back = _both(model, torch.zeros(2, 16, device="meta"))
     assert fell_back is not None and why in fell_back

@@ -278,7 +278,8 @@ class _Layout:
             target = at + shift
             start = starts.get(sources[target]) if 0 <= target < depth else None
             if start is None:
-                raise NotExpandable(f"block {at} would read block {target}, whose {phase} ops differ from block {j}'s")
+                raise NotExpandable(f"block {at} reads block {target} as twin block {j} ({phase}), whose ops differ "
+                                    f"from the block standing for it (a value shared by every block?)")
             return names[start, target]
 
         return read
