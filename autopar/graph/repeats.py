@@ -21,7 +21,6 @@ config list); `trace(..., expand_repeats=False)` traces every block.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from collections import Counter
@@ -33,6 +32,7 @@ from torch.fx.graph import Graph, _Namespace
 
 from autopar.graph.ir import OpNode
 from autopar.graph.layers import _structure_hashes
+from autopar.graph.twin import twin_of_blocks
 
 MIN_BLOCKS = 8  # below this the full trace is cheap: not worth any risk
 TWIN_DEPTH = 3  # first block, template, last block: the template has a block on either side
@@ -58,8 +58,8 @@ def expanded_step(model: nn.Module, trace_step: Callable[[nn.Module], Any],
         return None, stack
     path, depth = stack
     try:
-        twin = shallow_twin(model, path, [0, TEMPLATE, depth - 1])
-        probe = shallow_twin(model, path, [0, depth // 2, depth - 2, depth - 1])
+        twin = twin_of_blocks(model, path, [0, TEMPLATE, depth - 1])
+        probe = twin_of_blocks(model, path, [0, depth // 2, depth - 2, depth - 1])
         twin_step, probe_step = trace_step(twin), trace_step(probe)
         if graph_of(probe, _expanded(twin_step, path, 4)) != graph_of(probe, probe_step):
             return None, "the twin expanded to 4 blocks differs from blocks 0, N/2, N-2, N-1 traced"
@@ -165,27 +165,6 @@ def _per_layer_config(model: nn.Module, depth: int) -> str | None:
             if isinstance(value, (list, tuple)) and len(value) == depth and len({repr(v) for v in value}) > 1:
                 return f"config.{key} varies by layer"
     return None
-
-
-def shallow_twin(model: nn.Module, path: str, blocks: list[int]) -> nn.Module:
-    """`model` with the stack at `path` holding only `blocks` (keyed 0, 1, ... in that order):
-    shallow copies of the modules on the way down (own dicts of children, parameters and buffers),
-    every other module shared."""
-    root = twin = _shallow_copy(model)
-    for name in path.split("."):
-        child = _shallow_copy(twin._modules[name])
-        twin._modules[name] = child
-        twin = child
-    stack = list(twin._modules.values())
-    twin._modules = type(twin._modules)((str(i), stack[block]) for i, block in enumerate(blocks))
-    return root
-
-
-def _shallow_copy(module: nn.Module) -> nn.Module:
-    twin = copy.copy(module)
-    twin._modules, twin._parameters, twin._buffers = (
-        dict(module._modules), dict(module._parameters), dict(module._buffers))
-    return twin
 
 
 # --- expansion ---------------------------------------------------------------------------------

@@ -48,6 +48,16 @@ def shallow_twin(model: nn.Module, depth: int) -> nn.Module | None:
     return _with_child(model, path.split(".") if path else [], short)
 
 
+def twin_of_blocks(model: nn.Module, path: str, blocks: list[int]) -> nn.Module:
+    """`model` with its stack at `path` holding only the blocks at positions `blocks`, in that order,
+    keyed 0, 1, ... (the capture's twin and probe, `autopar.graph.repeats`)."""
+    stack = model.get_submodule(path)
+    children = list(stack._modules.values())
+    short = copy.copy(stack)
+    short._modules = {str(i): children[block] for i, block in enumerate(blocks)}
+    return _with_child(model, path.split(".") if path else [], short)
+
+
 def twin_answer(model: nn.Module, ask: Callable[[nn.Module], Any],
                 depths: tuple[int, ...] = TWIN_DEPTHS) -> Any:
     """`ask(model)`, asked of shallow twins when the model's stack has at least `MIN_BLOCKS_FOR_TWINS`
