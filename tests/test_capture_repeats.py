@@ -67,7 +67,7 @@ def test_zoo_models_expand_to_exactly_the_full_trace(family, config):
                                   precision="bf16")
     assert fell_back is None  # the shortcut was taken...
     _assert_same_graph(fast, full)  # ...and gave the full trace
-    assert [lt.instances for lt in fast.layer_types][0] == [f"layers.{i}" for i in range(8)]
+    assert fast.layer_types[0].instances == [f"layers.{i}" for i in range(8)]
 
 
 def _hugging_face(name: str, layers: int) -> nn.Module:

@@ -85,9 +85,9 @@ def find_block_stack(model: nn.Module) -> tuple[str, int] | str:
         children = list(module.named_children())
         if (path and isinstance(module, _CONTAINERS) and len(children) >= MIN_BLOCKS
                 and [key for key, _ in children] == [str(i) for i in range(len(children))]
-                and len({structure[id(child)] for _, child in children}) == 1):
-            if not any(path.startswith(f"{outer}.") for outer, _ in stacks):
-                stacks.append((path, module))
+                and len({structure[id(child)] for _, child in children}) == 1
+                and not any(path.startswith(f"{outer}.") for outer, _ in stacks)):  # outermost stacks only
+            stacks.append((path, module))
     if len(stacks) != 1:
         return f"{len(stacks)} stacks of at least {MIN_BLOCKS} identical blocks (the shortcut expands exactly one)"
     path, container = stacks[0]
