@@ -134,9 +134,22 @@ def quick_evaluations(
     """
     cache = cache if cache is not None else CostCache()
     facts = priced_as_run(facts, fixed)
+    valid, count, rejected = valid_strategies(facts, cluster, fixed, global_batch, layers=layers, supports=supports)
+    quick = [evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
+                             overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache)
+             for strategy in valid]
+    return quick, count, rejected
+
+
+def valid_strategies(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *,
+                     layers: int, supports: Callable[[Strategy], str | None] | None = None
+                     ) -> tuple[list[Strategy], int, dict[str, int]]:
+    """The completions of `fixed` the runtime supports and no rule rejects, in enumeration order
+    (`facts` as the fixed profile runs them); (valid, completions tried, rejection reason → count).
+    Raises when none is valid."""
     check_fixed_degrees(fixed, cluster.world_size)
     rejected: dict[str, int] = {}
-    quick: list[Evaluation] = []
+    valid: list[Strategy] = []
     count = 0
     experts = fewest_experts(facts.experts)
     for strategy in completions(fixed, cluster.world_size, global_batch, experts, facts.seq_len):
@@ -152,13 +165,12 @@ def quick_evaluations(
         if reason is not None:
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
-        quick.append(evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
-                                     overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache))
-    if not quick:
+        valid.append(strategy)
+    if not valid:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
         raise AutoparError(_no_completion(fixed, cluster.world_size, global_batch, count, rejected))
-    return quick, count, rejected
+    return valid, count, rejected
 
 
 def _no_completion(fixed: dict[str, Any], world_size: int, global_batch: int, count: int,

@@ -85,14 +85,16 @@ def partition(
             row.append(running)
         largest_transient.append(row)
 
+    held_by_stage = [in_flight(stage, stages, num_microbatches, schedule, vp) for stage in range(stages)]
+    chunk_capacity = memory_capacity_bytes / vp if memory_capacity_bytes is not None else None
+
     def fits(stage: int, start: int, end: int) -> bool:
-        if memory_capacity_bytes is None:
+        if chunk_capacity is None:
             return True
-        held = in_flight(stage, stages, num_microbatches, schedule, vp)
         transient = largest_transient[start][end - start - 1]
         total = (prefix_state[end] - prefix_state[start]
-                 + held * (prefix_activation[end] - prefix_activation[start]) + transient)
-        return total <= memory_capacity_bytes / vp
+                 + held_by_stage[stage] * (prefix_activation[end] - prefix_activation[start]) + transient)
+        return total <= chunk_capacity
 
     infinity = float("inf")
     best = [[infinity] * (n + 1) for _ in range(stages + 1)]

@@ -1,0 +1,64 @@
+"""A floor under the quick estimate's step time, shared by every strategy that differs only in what
+the floor leaves out.
+
+`evaluate(..., exact=False)` prices a stage's forward as its units' compute plus their tensor-parallel
+collectives plus terms that are never negative (the vocabulary-parallel head's collectives, ZeRO-3's
+exposed gathers, MoE all-to-alls, the context exchange), and its backward likewise plus the recompute;
+the step is the closed-form pipeline estimate of those stage times (`pipeline.estimated_step_s`, whose
+arithmetic is non-decreasing in every stage time) plus each rank's tail (gradient sync, optimizer step,
+offload copies: never negative). The compute and the tp collectives of a unit do not depend on its
+recompute policy, so the same estimate of the stages without the other terms is a floor under the
+step of the strategy whatever its ZeRO stage, recompute policy and per-stage recompute counts, expert
+parallel degree, cp kind or offload: the searcher skips what cannot rank (`searcher.bounded`).
+Floating point keeps it a floor: each term is summed as `price_stages` sums it, and rounding is monotone.
+"""
+
+from __future__ import annotations
+
+from autopar.cluster import ClusterSpec
+from autopar.plan_schema import Strategy
+from autopar.cost_models.communication import group_layout
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
+from autopar.cost_models.context import sync_layout
+from autopar.cost_models.evaluate import priced_stages, stage_transfer_s
+from autopar.cost_models.facts import ModelFacts, Unit
+from autopar.cost_models.pipeline import estimated_step_s
+from autopar.cost_models.stage_costs import CostCache, Pricing, part_token, unit_part
+
+# The strategy keys the floor does not read: strategies equal but for these share one floor.
+FLOOR_FREE_KEYS = {"zero": 0, "recompute": "none", "recompute_layers": None, "ep": 1, "cp_kind": "ring",
+                   "offload": "none", "optimizer_state": "fp32", "optimizer_impl": "fused", "dp_overlap": True,
+                   "zero3_fetch": "unit"}
+
+
+def stage_pass_floors_s(pricing: Pricing, stages_units: list[list[Unit]]
+                        ) -> tuple[list[float], list[float], list[float]]:
+    """Per stage and micro-batch: (forward, backward) with only the units' compute and tp collectives,
+    and the weight-gradient part of backward, each summed in `price_stages`' order."""
+    forward_s, backward_s, weight_s = [], [], []
+    token = part_token(pricing, "none")
+    for units in stages_units:
+        parts = [unit_part(pricing, unit, "none", token) for unit in units]
+        forward = sum(p.forward_s for p in parts)
+        backward = sum(p.backward_s for p in parts)
+        forward_comm = sum(p.forward_comm_s for p in parts)
+        backward_comm = sum(p.backward_comm_s for p in parts)
+        forward_s.append(forward + forward_comm)
+        backward_s.append(backward + backward_comm)
+        weight_s.append(sum(pricing.timed(unit).backward_weight_s for unit in units))
+    return forward_s, backward_s, weight_s
+
+
+def quick_step_floor_s(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, *,
+                       stages: list[list[Unit]] | None = None, efficiency: Efficiency = DEFAULT_EFFICIENCY,
+                       cache: CostCache | None = None) -> float:
+    """At most the step time `evaluate(facts, cluster, s, ..., exact=False, stages=stages)` predicts for
+    any strategy `s` equal to `strategy` but for `FLOOR_FREE_KEYS` (and any head vocabulary)."""
+    s = strategy
+    facts, stages_units = priced_stages(facts, s, stages)
+    pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=efficiency, cache=cache or CostCache(),
+                      tp_layout=group_layout(s.tp, 1, cluster.gpus_per_node),
+                      dp_layout=sync_layout(s, cluster.gpus_per_node))
+    forward_s, backward_s, weight_s = stage_pass_floors_s(pricing, stages_units)
+    return estimated_step_s(forward_s, backward_s, s.num_microbatches, s.schedule, pp=s.pp, vp=s.vp,
+                            p2p_s=stage_transfer_s(s, cluster, stages_units), weight_s=weight_s)

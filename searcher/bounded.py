@@ -1,0 +1,83 @@
+"""The quick ranking, pricing only the completions that can matter to the search's answer.
+
+`search` reads from the ranking of every valid completion (`candidates.quick_evaluations`) its first
+`keep` by rank key, and, for the why-not rows, the best member of a few groups
+(`why_not.compared_groups`; `why_not._best_of`: the fastest that fits, or the one closest to fitting
+when none does). Every completion has a cheap floor under its quick step time
+(`cost_models.bounds.quick_step_floor_s`, shared by the completions that differ only in ZeRO, recompute,
+ep, ...). Completions are priced in the order of their floors; one is skipped only when its floor
+proves that it ranks after the `keep` best priced so far (which fit) and after the fastest fitting
+member priced so far of each group it belongs to. Skipped completions could therefore change neither
+the first `keep` of the ranking nor any group's best: the search's answer is the one the full ranking
+gives (tests/test_bounded_search.py compares the two).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Callable
+
+from autopar.cluster import ClusterSpec
+from autopar.plan_schema import Strategy
+from autopar.cost_models.bounds import FLOOR_FREE_KEYS, quick_step_floor_s
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
+from autopar.cost_models.evaluate import Evaluation, partition
+from autopar.cost_models.facts import ModelFacts
+from autopar.cost_models.stage_costs import CostCache
+from autopar.searcher.candidates import evaluate_fitted, fit_recompute, priced_as_run, valid_strategies
+
+# Floors are lowered by this fraction before they are compared, so that no rounding of theirs (a sum
+# taken in another order than the evaluation's) can lift one above the step it bounds.
+FLOOR_SLACK = 1e-9
+
+
+def bounded_quick_evaluations(
+    facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *, layers: int,
+    rank_key: Callable[[Evaluation], tuple], keep: int, groups: list[Callable[[Strategy], bool]],
+    efficiency: Efficiency = DEFAULT_EFFICIENCY, supports: Callable[[Strategy], str | None] | None = None,
+    cache: CostCache | None = None,
+) -> tuple[list[Evaluation], int, dict[str, int]]:
+    """`quick_evaluations` (same arguments, same count and rejections, evaluations in enumeration order)
+    less the completions that rank after the first `keep` by `rank_key` and that no group's best can be.
+    `rank_key(e)[:2]` must be (not e.fits, round(e.step_time_s, 9))."""
+    cache = cache if cache is not None else CostCache()
+    facts = priced_as_run(facts, fixed)
+    valid, count, rejected = valid_strategies(facts, cluster, fixed, global_batch, layers=layers, supports=supports)
+    floors = _floors(facts, cluster, valid, efficiency, cache)
+    membership = [[g for g, member in enumerate(groups) if member(s)] for s in valid]
+    best: list[tuple[tuple, int]] = []  # the `keep` smallest (rank key, position) priced so far
+    group_best: list[float | None] = [None] * len(groups)  # per group, its fastest fitting step priced so far
+    priced: dict[int, Evaluation] = {}
+    for i in sorted(range(len(valid)), key=lambda i: (floors[i], i)):
+        floor = floors[i]
+        ranks = len(best) < keep or best[-1][0][0] or round(floor, 9) <= best[-1][0][1]
+        if not ranks and not any(group_best[g] is None or floor <= group_best[g] for g in membership[i]):
+            continue
+        evaluation = evaluate_fitted(facts, cluster, valid[i], global_batch, exact=False, efficiency=efficiency,
+                                     fit=fit_recompute(fixed), cache=cache)
+        priced[i] = evaluation
+        bisect.insort(best, (rank_key(evaluation), i))
+        del best[keep:]
+        if evaluation.fits:
+            for g in membership[i]:
+                if group_best[g] is None or evaluation.step_time_s < group_best[g]:
+                    group_best[g] = evaluation.step_time_s
+    return [priced[i] for i in sorted(priced)], count, rejected
+
+
+def _floors(facts: ModelFacts, cluster: ClusterSpec, strategies: list[Strategy], efficiency: Efficiency,
+            cache: CostCache) -> list[float]:
+    """Each strategy's floor (lowered by `FLOOR_SLACK`), computed once per group of strategies that share it."""
+    stages_of: dict[int, list] = {}
+    shared: dict[Strategy, float] = {}
+    floors = []
+    for s in strategies:
+        key = s.model_copy(update=FLOOR_FREE_KEYS)
+        if key not in shared:
+            count = s.pp * s.vp
+            if count not in stages_of:
+                stages_of[count] = partition(facts, count)
+            shared[key] = quick_step_floor_s(facts, cluster, key, stages=stages_of[count], efficiency=efficiency,
+                                             cache=cache) * (1 - FLOOR_SLACK)
+        floors.append(shared[key])
+    return floors
