@@ -35,18 +35,26 @@ def stage_pass_floors_s(pricing: Pricing, stages_units: list[list[Unit]]
                         ) -> tuple[list[float], list[float], list[float]]:
     """Per stage and micro-batch: (forward, backward) with only the units' compute and tp collectives,
     and the weight-gradient part of backward, each summed in `price_stages`' order."""
-    forward_s, backward_s, weight_s = [], [], []
     token = part_token(pricing, "none")
-    for units in stages_units:
-        parts = [unit_part(pricing, unit, "none", token) for unit in units]
-        forward = sum(p.forward_s for p in parts)
-        backward = sum(p.backward_s for p in parts)
-        forward_comm = sum(p.forward_comm_s for p in parts)
-        backward_comm = sum(p.backward_comm_s for p in parts)
-        forward_s.append(forward + forward_comm)
-        backward_s.append(backward + backward_comm)
-        weight_s.append(sum(pricing.timed(unit).backward_weight_s for unit in units))
+    units = [unit for stage in stages_units for unit in stage]
+    forward, backward, forward_comm, backward_comm, weight = pricing.cache.of_units(
+        ("unit pass floors", token), units, lambda: _unit_pass_floors(pricing, units, token))
+    forward_s, backward_s, weight_s = [], [], []
+    start = 0
+    for stage in stages_units:
+        end = start + len(stage)  # a slice sums left to right, as a stage's parts are summed
+        forward_s.append(sum(forward[start:end]) + sum(forward_comm[start:end]))
+        backward_s.append(sum(backward[start:end]) + sum(backward_comm[start:end]))
+        weight_s.append(sum(weight[start:end]))
+        start = end
     return forward_s, backward_s, weight_s
+
+
+def _unit_pass_floors(pricing: Pricing, units: list[Unit], token) -> tuple[list[float], ...]:
+    """Per unit: forward, backward, their tp collectives and the weight-gradient part (`unit_part`)."""
+    parts = [unit_part(pricing, unit, "none", token) for unit in units]
+    return ([p.forward_s for p in parts], [p.backward_s for p in parts], [p.forward_comm_s for p in parts],
+            [p.backward_comm_s for p in parts], [pricing.timed(unit).backward_weight_s for unit in units])
 
 
 def quick_step_floor_s(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, *,

@@ -69,15 +69,19 @@ def _floors(facts: ModelFacts, cluster: ClusterSpec, strategies: list[Strategy],
             cache: CostCache) -> list[float]:
     """Each strategy's floor (lowered by `FLOOR_SLACK`), computed once per group of strategies that share it."""
     stages_of: dict[int, list] = {}
-    shared: dict[Strategy, float] = {}
+    shared: dict[tuple, float] = {}
     floors = []
     for s in strategies:
-        key = s.model_copy(update=FLOOR_FREE_KEYS)
+        key = tuple(getattr(s, name) for name in _FLOOR_FIELDS)
         if key not in shared:
             count = s.pp * s.vp
             if count not in stages_of:
                 stages_of[count] = partition(facts, count)
-            shared[key] = quick_step_floor_s(facts, cluster, key, stages=stages_of[count], efficiency=efficiency,
+            shared[key] = quick_step_floor_s(facts, cluster, s.model_copy(update=FLOOR_FREE_KEYS),
+                                             stages=stages_of[count], efficiency=efficiency,
                                              cache=cache) * (1 - FLOOR_SLACK)
         floors.append(shared[key])
     return floors
+
+
+_FLOOR_FIELDS = tuple(name for name in Strategy.model_fields if name not in FLOOR_FREE_KEYS)
