@@ -11,15 +11,23 @@ recompute policy, so the same estimate of the stages without the other terms is 
 step of the strategy whatever its ZeRO stage, recompute policy and per-stage recompute counts, expert
 parallel degree, cp kind or offload: the searcher skips what cannot rank (`searcher.bounded`).
 Floating point keeps it a floor: each term is summed as `price_stages` sums it, and rounding is monotone.
+
+Likewise a floor under each pipeline rank's peak memory: its model states and buffers with no
+activations (`memory.device_memory` grows with each of its inputs), from the parameters the rank holds,
+added up in `price_stages`' order. A strategy whose floor exceeds the capacity fits under no recompute
+policy or counts (`evaluate` fits only when every rank's peak is within it).
 """
 
 from __future__ import annotations
 
 from autopar.cluster import ClusterSpec
 from autopar.plan_schema import Strategy
+from autopar.plan_schema import stage_rank
+from autopar.cost_models.collectives import tied_across_ranks
 from autopar.cost_models.communication import group_layout
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
-from autopar.cost_models.context import sync_layout
+from autopar.cost_models.context import replicas, sync_layout
+from autopar.cost_models.memory import device_memory
 from autopar.cost_models.evaluate import priced_stages, stage_transfer_s
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.pipeline import estimated_step_s
@@ -70,3 +78,30 @@ def quick_step_floor_s(facts: ModelFacts, cluster: ClusterSpec, strategy: Strate
     forward_s, backward_s, weight_s = stage_pass_floors_s(pricing, stages_units)
     return estimated_step_s(forward_s, backward_s, s.num_microbatches, s.schedule, pp=s.pp, vp=s.vp,
                             p2p_s=stage_transfer_s(s, cluster, stages_units), weight_s=weight_s)
+
+
+def rank_params_on_device(stages_units: list[list[Unit]], strategy: Strategy) -> list[float]:
+    """Per pipeline rank: the parameters it holds without ep (tp-local, a tied head's copy of the
+    embedding included), added up as `evaluate` adds them."""
+    s = strategy
+    params = [0.0] * s.pp
+    for index, units in enumerate(stages_units):
+        rank = stage_rank(index, s.pp, s.schedule)
+        for unit in units:
+            params[rank] += unit.params_on_device(s.tp)  # as `price_stages` adds them at ep = 1
+    for rank, tied in enumerate(tied_across_ranks(stages_units, s.pp, s.tp, s.schedule)):
+        params[rank] += sum(elements for _, elements in tied["copies"])
+    return params
+
+
+def peak_memory_floor_bytes(precision: str, strategy: Strategy, rank_params: list[float]) -> float:
+    """At most the largest peak over pipeline ranks `evaluate` predicts for `strategy` under any recompute
+    policy and counts, given `rank_params_on_device`; 0 (no floor) under ep or offload, not bounded here."""
+    s = strategy
+    if s.ep > 1 or s.offload != "none":
+        return 0.0
+    # the states grow with the parameters: the rank holding the most has the largest floor
+    return device_memory(params_on_device=max(rank_params), largest_unit_params=0.0, precision=precision, zero=s.zero,
+                         dp=replicas(s), activation_bytes=0.0, optimizer_state=s.optimizer_state, offload=s.offload,
+                         expert_dp=s.dp // s.ep, num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl,
+                         pp=s.pp).total_bytes

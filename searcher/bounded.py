@@ -19,10 +19,12 @@ from typing import Any, Callable
 
 from autopar.cluster import ClusterSpec
 from autopar.plan_schema import Strategy
-from autopar.cost_models.bounds import FLOOR_FREE_KEYS, quick_step_floor_s
+from autopar.cost_models.bounds import (FLOOR_FREE_KEYS, peak_memory_floor_bytes, quick_step_floor_s,
+                                       rank_params_on_device)
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.evaluate import Evaluation, partition
 from autopar.cost_models.facts import ModelFacts
+from autopar.cost_models.memory import planning_capacity_bytes
 from autopar.cost_models.stage_costs import CostCache
 from autopar.searcher.candidates import evaluate_fitted, fit_recompute, priced_as_run, valid_strategies
 
@@ -44,14 +46,16 @@ def bounded_quick_evaluations(
     facts = priced_as_run(facts, fixed)
     valid, count, rejected = valid_strategies(facts, cluster, fixed, global_batch, layers=layers, supports=supports)
     floors = _floors(facts, cluster, valid, efficiency, cache)
+    unfit = _cannot_fit(facts, cluster, valid)
     membership = [[g for g, member in enumerate(groups) if member(s)] for s in valid]
     best: list[tuple[tuple, int]] = []  # the `keep` smallest (rank key, position) priced so far
     group_best: list[float | None] = [None] * len(groups)  # per group, its fastest fitting step priced so far
     priced: dict[int, Evaluation] = {}
-    for i in sorted(range(len(valid)), key=lambda i: (floors[i], i)):
-        floor = floors[i]
-        ranks = len(best) < keep or best[-1][0][0] or round(floor, 9) <= best[-1][0][1]
-        if not ranks and not any(group_best[g] is None or floor <= group_best[g] for g in membership[i]):
+    for i in sorted(range(len(valid)), key=lambda i: (unfit[i], floors[i], i)):  # those that may fit first
+        floor, slower = floors[i], unfit[i]  # a plan that does not fit ranks after every one that does
+        ranks = len(best) < keep or best[-1][0][0] or (not slower and round(floor, 9) <= best[-1][0][1])
+        if not ranks and not any(group_best[g] is None or (not slower and floor <= group_best[g])
+                                 for g in membership[i]):
             continue
         evaluation = evaluate_fitted(facts, cluster, valid[i], global_batch, exact=False, efficiency=efficiency,
                                      fit=fit_recompute(fixed), cache=cache)
@@ -82,6 +86,23 @@ def _floors(facts: ModelFacts, cluster: ClusterSpec, strategies: list[Strategy],
                                              cache=cache) * (1 - FLOOR_SLACK)
         floors.append(shared[key])
     return floors
+
+
+def _cannot_fit(facts: ModelFacts, cluster: ClusterSpec, strategies: list[Strategy]) -> list[bool]:
+    """Whether each strategy's memory floor (`bounds.peak_memory_floor_bytes`) already exceeds the capacity."""
+    capacity = planning_capacity_bytes(cluster.gpu.memory_bytes, cluster.memory_headroom)
+    params_of: dict[tuple, list[float]] = {}
+    floor_of: dict[tuple, float] = {}
+    result = []
+    for s in strategies:
+        layout = (s.tp, s.pp, s.vp, s.schedule == "zbv")  # what the ranks' parameters depend on
+        key = (layout, s.zero, s.dp, s.cp, s.ep, s.num_microbatches, s.optimizer_state, s.offload, s.optimizer_impl)
+        if key not in floor_of:
+            if layout not in params_of:
+                params_of[layout] = rank_params_on_device(partition(facts, s.pp * s.vp), s)
+            floor_of[key] = peak_memory_floor_bytes(facts.precision, s, params_of[layout])
+        result.append(floor_of[key] > capacity)
+    return result
 
 
 _FLOOR_FIELDS = tuple(name for name in Strategy.model_fields if name not in FLOOR_FREE_KEYS)

@@ -8,7 +8,8 @@ import pytest
 
 from autopar.capabilities import RUNTIME_CAPABILITIES
 from autopar.cluster import load_cluster
-from autopar.cost_models.bounds import FLOOR_FREE_KEYS, quick_step_floor_s
+from autopar.cost_models.bounds import (FLOOR_FREE_KEYS, peak_memory_floor_bytes, quick_step_floor_s,
+                                       rank_params_on_device)
 from autopar.cost_models.evaluate import partition
 from autopar.cost_models.pipeline import estimate, estimated_step_s
 from autopar.cost_models.stage_costs import CostCache
@@ -93,7 +94,7 @@ def test_bounded_ranking_skips_completions_and_keeps_the_top(zoo_trace):
     assert sorted(kept, key=_rank_key)[:REFINE_TOP] == sorted(full, key=_rank_key)[:REFINE_TOP]
 
 
-def test_floor_is_under_every_quick_step_and_exact_without_the_terms_it_leaves_out(zoo_trace):
+def test_floors_are_under_every_quick_step_and_peak_and_exact_without_the_terms_they_leave_out(zoo_trace):
     _, graph, facts = zoo_trace("gpt", GPT, batch=1)
     cluster = load_cluster("dgx-h100", gpus=8)
     cache = CostCache()
@@ -105,10 +106,14 @@ def test_floor_is_under_every_quick_step_and_exact_without_the_terms_it_leaves_o
         floor = quick_step_floor_s(facts, cluster, s, stages=stages, cache=cache)
         assert floor == quick_step_floor_s(facts, cluster, s.model_copy(update=FLOOR_FREE_KEYS), stages=stages)
         assert floor <= evaluation.step_time_s
+        params = rank_params_on_device(stages, s)
+        assert peak_memory_floor_bytes(facts.precision, s, params) <= evaluation.peak_memory_bytes
         if s.tp == 1 and s.zero == 0 and s.recompute == "none":
             # nothing but compute in the stages: the floor is the pipeline estimate itself, bit for bit
             assert floor == evaluation.pipeline.step_time_s
             exact += 1
+        if s.pp == 1:  # one rank holds every parameter once (a tied head shares the embedding's)
+            assert params == [sum(unit.params_on_device(s.tp) for unit in facts.units)]
     assert exact > 10
 
 
