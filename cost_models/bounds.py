@@ -21,8 +21,7 @@ policy or counts (`evaluate` fits only when every rank's peak is within it).
 from __future__ import annotations
 
 from autopar.cluster import ClusterSpec
-from autopar.plan_schema import Strategy
-from autopar.plan_schema import stage_rank
+from autopar.plan_schema import Strategy, stage_rank
 from autopar.cost_models.collectives import tied_across_ranks
 from autopar.cost_models.communication import group_layout
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency

@@ -5,11 +5,13 @@
 (`why_not.compared_groups`; `why_not._best_of`: the fastest that fits, or the one closest to fitting
 when none does). Every completion has a cheap floor under its quick step time
 (`cost_models.bounds.quick_step_floor_s`, shared by the completions that differ only in ZeRO, recompute,
-ep, ...). Completions are priced in the order of their floors; one is skipped only when its floor
-proves that it ranks after the `keep` best priced so far (which fit) and after the fastest fitting
-member priced so far of each group it belongs to. Skipped completions could therefore change neither
-the first `keep` of the ranking nor any group's best: the search's answer is the one the full ranking
-gives (tests/test_bounded_search.py compares the two).
+ep, ...) and one under its peak memory (`bounds.peak_memory_floor_bytes`: above the capacity, it fits
+under no recompute). Completions are priced in the order of their floors, those that may fit first; one
+is skipped only when its floors prove that it ranks after the `keep` best priced so far, all of which
+fit (it does not fit, or is slower than the last of them), and that it cannot be the best of any group
+it belongs to (the group has a fitting member priced, and it does not fit or is slower). Skipped
+completions could therefore change neither the first `keep` of the ranking nor any group's best: the
+search's answer is the one the full ranking gives (tests/test_bounded_search.py compares the two).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from autopar.cost_models.memory import planning_capacity_bytes
 from autopar.cost_models.stage_costs import CostCache
 from autopar.searcher.candidates import evaluate_fitted, fit_recompute, priced_as_run, valid_strategies
 
-# Floors are lowered by this fraction before they are compared, so that no rounding of theirs (a sum
-# taken in another order than the evaluation's) can lift one above the step it bounds.
+# Step floors are lowered by this fraction before they are compared: insurance that no rounding can lift
+# one above the step it bounds (they are summed as the evaluation sums, so none should).
 FLOOR_SLACK = 1e-9
 
 
