@@ -17,6 +17,8 @@ from autopar.plan_schema import ZERO_BUBBLE_SCHEDULES, Strategy
 # the runtime executes each at its default only.
 IMPLEMENTATION_KNOBS = ("attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "zero3_fetch",
                         "optimizer_impl")
+# (knob, the runtime's value): read once, not per strategy `supports` checks
+_RUNTIME_KNOBS = tuple((knob, Strategy.model_fields[knob].default) for knob in IMPLEMENTATION_KNOBS)
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,8 @@ class Capabilities:
             return self.tensor_parallel_refusal
         if strategy.pp > 1 and self.pipeline_refusal:
             return self.pipeline_refusal
-        for knob in IMPLEMENTATION_KNOBS:  # priced for other software; the runtime runs its defaults only
-            value, runtime = getattr(strategy, knob), Strategy.model_fields[knob].default
+        for knob, runtime in _RUNTIME_KNOBS:  # priced for other software; the runtime runs its defaults only
+            value = getattr(strategy, knob)
             if value != runtime:
                 return (f"{knob}={value} prices a run of other software; autopar's runtime runs {knob}={runtime} "
                         f"(leave {knob} out of --strategy to plan a run)")

@@ -121,14 +121,7 @@ def evaluate(
     `cache`: the caller's, to share derived unit costs across evaluations of one model (a fresh one
     if None)."""
     s = strategy
-    implemented = as_run(facts, s.attention, s.dropout)
-    if implemented is not facts and stages is not None:  # the caller's stages, as the profile runs them
-        by_name = {unit.name: unit for unit in implemented.units}
-        stages = [[by_name.get(unit.name, unit) for unit in units] for units in stages]
-    facts = implemented
-    stages_units = stages if stages is not None else partition(facts, s.pp * s.vp)
-    if len(stages_units) != s.pp * s.vp:
-        raise ValueError(f"{len(stages_units)} stages given for pp×vp = {s.pp * s.vp}")
+    facts, stages_units = priced_stages(facts, s, stages)
     pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=efficiency, cache=cache or CostCache(),
                       tp_layout=group_layout(s.tp, 1, cluster.gpus_per_node),
                       dp_layout=sync_layout(s, cluster.gpus_per_node), vocab=vocab,
@@ -144,24 +137,45 @@ def evaluate(
     return summarize(pricing, global_batch, prices, pipe, tails, memory)
 
 
+def priced_stages(facts: ModelFacts, s: Strategy, stages: list[list[Unit]] | None
+                  ) -> tuple[ModelFacts, list[list[Unit]]]:
+    """The facts as the strategy's implementation profile runs them, and the stages' units from them
+    (the caller's stages, or the even split)."""
+    implemented = as_run(facts, s.attention, s.dropout)
+    if implemented is not facts and stages is not None:  # the caller's stages, as the profile runs them
+        by_name = {unit.name: unit for unit in implemented.units}
+        stages = [[by_name.get(unit.name, unit) for unit in units] for units in stages]
+    stages_units = stages if stages is not None else partition(implemented, s.pp * s.vp)
+    if len(stages_units) != s.pp * s.vp:
+        raise ValueError(f"{len(stages_units)} stages given for pp×vp = {s.pp * s.vp}")
+    return implemented, stages_units
+
+
 def run_pipeline(pricing: Pricing, prices: StagePrices, stages_units: list[list[Unit]], exact: bool) -> PipelineResult:
     """The schedule of every micro-batch's passes, with the point-to-point transfers between stages:
     what crosses a stage boundary (`Unit.cut`, divided over tp under sp) sent over the link between the two
     stages' ranks (the network once pp's stride leaves the node), at that link's bandwidth plus a
     step of its latency; a transfer delays the pass that needs it, not the rank that sends."""
-    s, cluster = pricing.strategy, pricing.cluster
-    pp_layout = group_layout(s.pp, s.dp * s.cp * s.tp, cluster.gpus_per_node)
-    batch = rank_batch(s)
-    boundary_bytes = max((sum(t.bytes_for(batch) for t in u[0].cut) for u in stages_units[1:] if u),
-                         default=0.0) \
-        / (s.tp if s.sp else 1)
-    p2p = collective_time_s("send_recv", boundary_bytes, pp_layout, cluster) if s.pp > 1 else 0.0
+    s = pricing.strategy
+    p2p = stage_transfer_s(s, pricing.cluster, stages_units)
     stage_costs = prices.stages
     return (simulate if exact else estimate)(
         [c.forward_s for c in stage_costs], [c.backward_s for c in stage_costs], s.num_microbatches, s.schedule,
         pp=s.pp, vp=s.vp, p2p_s=p2p, stage_weight=[c.activation_bytes for c in stage_costs],
         weight_s=[c.backward_weight_s for c in stage_costs],
     )
+
+
+def stage_transfer_s(s: Strategy, cluster: ClusterSpec, stages_units: list[list[Unit]]) -> float:
+    """One point-to-point transfer between pipeline stages: the largest boundary's bytes over the pp link."""
+    if s.pp == 1:
+        return 0.0
+    pp_layout = group_layout(s.pp, s.dp * s.cp * s.tp, cluster.gpus_per_node)
+    batch = rank_batch(s)
+    boundary_bytes = max((sum(t.bytes_for(batch) for t in u[0].cut) for u in stages_units[1:] if u),
+                         default=0.0) \
+        / (s.tp if s.sp else 1)
+    return collective_time_s("send_recv", boundary_bytes, pp_layout, cluster)
 
 
 def rank_stages(strategy: Strategy, stages: int) -> list[range]:

@@ -127,11 +127,7 @@ def estimate(
                                        p2p_s=p2p_s, stage_weight=stage_weight)
     m = num_microbatches
     weights = stage_weight or [1.0] * (pp * vp)
-    per_rank = [sum(forward_s[r + c * pp] + backward_s[r + c * pp] for c in range(vp)) for r in range(pp)]
-    slowest = max(per_rank)
-    fill = (pp - 1) * (sum(per_rank) / pp) / (vp if schedule == "interleaved" else 1)
-    transfers = 2 * (pp - 1) * p2p_s * (vp if schedule == "interleaved" else 1)
-    step = m * slowest + fill + transfers
+    step, per_rank = _estimated_step(forward_s, backward_s, m, schedule, pp, vp, p2p_s)
     peaks = [peak_held(schedule, rank, pp, m, vp, [weights[rank + c * pp] for c in range(vp)])
              for rank in range(pp)]
     busy = tuple(m * w for w in per_rank)
@@ -139,6 +135,27 @@ def estimate(
         step_time_s=step, rank_busy_s=busy, rank_end_s=tuple(step for _ in range(pp)),
         peak_in_flight=tuple(peaks), timeline=(),
     )
+
+
+def _estimated_step(forward_s: list[float], backward_s: list[float], m: int, schedule: str, pp: int, vp: int,
+                    p2p_s: float) -> tuple[float, list[float]]:
+    """`estimate`'s step time and each rank's busy time per micro-batch (1F1B family)."""
+    per_rank = [sum(forward_s[r + c * pp] + backward_s[r + c * pp] for c in range(vp)) for r in range(pp)]
+    slowest = max(per_rank)
+    fill = (pp - 1) * (sum(per_rank) / pp) / (vp if schedule == "interleaved" else 1)
+    transfers = 2 * (pp - 1) * p2p_s * (vp if schedule == "interleaved" else 1)
+    return m * slowest + fill + transfers, per_rank
+
+
+def estimated_step_s(forward_s: list[float], backward_s: list[float], num_microbatches: int, schedule: str, *,
+                     pp: int, vp: int = 1, p2p_s: float = 0.0, weight_s: list[float] | None = None) -> float:
+    """`estimate`'s step time alone (no peaks), by the same arithmetic: non-decreasing in every
+    forward and backward time and in `p2p_s` (with `weight_s` held), which `cost_models.bounds` relies on."""
+    if schedule in ("interleaved_zb", "zbv"):
+        from autopar.cost_models.zero_bubble import split_backward_step
+        return split_backward_step(forward_s, backward_s, weight_s, num_microbatches, schedule, pp=pp, vp=vp,
+                                   p2p_s=p2p_s)[0]
+    return _estimated_step(forward_s, backward_s, num_microbatches, schedule, pp, vp, p2p_s)[0]
 
 
 @lru_cache(maxsize=4096)

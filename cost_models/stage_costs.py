@@ -41,6 +41,7 @@ class CostCache:
         self._tokens: dict[tuple, tuple[str, int]] = {}
         self._twin_of: dict[int, tuple[Unit, Unit]] = {}  # id(unit) -> (unit, the first unit equal to it)
         self._by_content: dict[tuple, Unit] = {}
+        self._of_units: dict[tuple, tuple[tuple[Unit, ...], Any]] = {}
 
     def twin(self, unit: Unit) -> Unit:
         """The first unit this cache saw whose costed content is `unit`'s (`unit` itself if none)."""
@@ -64,6 +65,15 @@ class CostCache:
     def token(self, key: tuple) -> tuple[str, int]:
         """A cheap stand-in for a key whose parts (pydantic links, dataclasses) hash slowly."""
         return self._tokens.setdefault(key, ("token", len(self._tokens)))
+
+    def of_units(self, key: tuple, units: Sequence[Unit], compute: Callable[[], Any]) -> Any:
+        """A cost of exactly these unit objects (a stage's), in order. The entry keeps them alive,
+        so while it lives no other unit can take one of their ids: equal ids are the same units."""
+        full_key = (key, *map(id, units))
+        hit = self._of_units.get(full_key)
+        if hit is None:
+            hit = self._of_units[full_key] = (tuple(units), compute())
+        return hit[1]
 
 
 _UNIT_FIELDS = tuple(f.name for f in dataclasses.fields(Unit) if f.name != "name")
@@ -199,9 +209,11 @@ def unit_part(pricing: Pricing, unit: Unit, policy: str, token: tuple[str, int] 
 def part_token(pricing: Pricing, policy: str) -> tuple[str, int]:
     """The cache token of `unit_part`'s arguments other than the unit (one per evaluation and policy)."""
     s, cluster = pricing.strategy, pricing.cluster
+    # compile: whether the code outside the layers compiles too (`Pricing.timed`)
+    compiled = s.compile and whole_stage_problem(s) is None
     return pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp,
                                 policy, s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
-                                cluster.inter_node))
+                                cluster.inter_node, s.compile, compiled))
 
 
 def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,
@@ -318,44 +330,88 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
     rank_largest = [0.0] * s.pp
     rank_experts = [0.0] * s.pp
     tokens: dict[str, tuple[str, int]] = {}
+    shared = None  # stage sums are cached per stage's units when unit parts are (no per-plan recompute repeats)
+    if pricing.recompute_repeats is None:
+        shared = pricing.cache.token(("stage", part_token(pricing, s.recompute), part_token(pricing, "none"),
+                                      s.recompute, s.ep, s.zero3_fetch, pricing.facts.experts if s.ep > 1 else ()))
     for index, units in enumerate(stages_units):
         rank = stage_rank(index, s.pp, s.schedule)
-        policies = stage_policies(units, s, index)
-        for policy in set(policies).difference(tokens):
-            tokens[policy] = part_token(pricing, policy)
-        parts = [unit_part(pricing, unit, policy, tokens[policy]) for unit, policy in zip(units, policies)]
-        forward = sum(p.forward_s for p in parts)
-        backward = sum(p.backward_s for p in parts)
-        forward_comm = sum(p.forward_comm_s for p in parts)
-        backward_comm = sum(p.backward_comm_s for p in parts)
-        recompute_extra = sum(p.recompute_s for p in parts)
+        if shared is None:
+            sums = _stage_sums(pricing, units, index, tokens)
+        else:
+            limit = None if s.recompute_layers is None else s.recompute_layers[index]
+            sums = pricing.cache.of_units((shared, limit), units, lambda: _stage_sums(pricing, units, index, tokens))
+        policies, forward, backward, forward_comm = sums.policies, sums.forward_s, sums.backward_s, sums.forward_comm_s
         ep_forward, ep_backward = _expert_all_to_alls_s(pricing, units, policies)
         cp_forward, cp_backward = _context_exchange_s(pricing, units, policies)
-        for unit, part in zip(units, parts):
-            # 3-D expert weights: the graph's tp sharding leaves them whole on each tp rank
-            experts = unit_expert_params(pricing.facts.experts, unit.name) if s.ep > 1 else 0.0
-            held = part.params_on_device - experts * (1 - 1 / s.ep)  # experts sharded over ep
+        for held in sums.held:
             rank_params[rank] += held
-            rank_experts[rank] += experts / s.ep
-            rank_largest[rank] = max(rank_largest[rank], held if s.zero3_fetch == "unit" else largest_fetch(unit, s))
+        if s.ep > 1:
+            for experts in sums.expert_shares:
+                rank_experts[rank] += experts
+        rank_largest[rank] = max(rank_largest[rank], sums.largest)
         if pricing.vocab and s.tp > 1 and index == len(stages_units) - 1:
             forward_comm += sum(times * pricing.tp_time_s(kind, size) for kind, size, times in
                                 vocab_parallel_head_collectives(s, pricing.facts.precision, pricing.facts.seq_len,
                                                                 pricing.vocab))
         zero3_forward, zero3_backward = _zero3_exposed_s(pricing, units, policies, forward, backward)
         stage_costs.append(StageCost(
-            index, rank, tuple(u.name for u in units), forward + forward_comm + zero3_forward + ep_forward + cp_forward,
-            backward + backward_comm + recompute_extra + zero3_backward + ep_backward + cp_backward,
-            sum(p.activation_bytes for p in parts), max((p.transient_bytes for p in parts), default=0.0),
-            sum(policy != "none" for policy in policies),
-            sum(pricing.timed(unit).backward_weight_s for unit in units)))
+            index, rank, sums.names, forward + forward_comm + zero3_forward + ep_forward + cp_forward,
+            backward + sums.backward_comm_s + sums.recompute_s + zero3_backward + ep_backward + cp_backward,
+            sums.activation_bytes, sums.transient_bytes, sums.recomputed_layers, sums.backward_weight_s))
         compute.append(forward + backward)
-        recompute.append(recompute_extra)
-        tp_comm.append(forward_comm + backward_comm + zero3_forward + zero3_backward)
+        recompute.append(sums.recompute_s)
+        tp_comm.append(forward_comm + sums.backward_comm_s + zero3_forward + zero3_backward)
         ep_comm.append(ep_forward + ep_backward)
         cp_comm.append(cp_forward + cp_backward)
     return StagePrices(tuple(stage_costs), tuple(compute), tuple(recompute), tuple(tp_comm), tuple(rank_params),
                        tuple(rank_largest), tuple(ep_comm), tuple(rank_experts), tuple(cp_comm))
+
+
+@dataclass(frozen=True)
+class _StageSums:
+    """What a stage's units add up to under the strategy's recompute counts, before the terms that
+    depend on more of the strategy (ZeRO-3, ep, cp, the vocabulary-parallel head)."""
+
+    names: tuple[str, ...]
+    policies: tuple[str, ...]
+    forward_s: float
+    backward_s: float
+    forward_comm_s: float
+    backward_comm_s: float
+    recompute_s: float
+    held: tuple[float, ...]  # per unit: parameters on the rank (experts sharded over ep), added in order
+    expert_shares: tuple[float, ...]  # per unit: its expert parameters over ep
+    largest: float  # the most parameters ZeRO-3 gathers at once
+    activation_bytes: float
+    transient_bytes: float
+    recomputed_layers: int
+    backward_weight_s: float
+
+
+def _stage_sums(pricing: Pricing, units: Sequence[Unit], index: int, tokens: dict[str, tuple[str, int]]
+                ) -> _StageSums:
+    s = pricing.strategy
+    policies = stage_policies(units, s, index)
+    for policy in set(policies).difference(tokens):
+        tokens[policy] = part_token(pricing, policy)
+    parts = [unit_part(pricing, unit, policy, tokens[policy]) for unit, policy in zip(units, policies)]
+    held, shares, largest = [], [], 0.0
+    for unit, part in zip(units, parts):
+        # 3-D expert weights: the graph's tp sharding leaves them whole on each tp rank
+        experts = unit_expert_params(pricing.facts.experts, unit.name) if s.ep > 1 else 0.0
+        held.append(part.params_on_device - experts * (1 - 1 / s.ep))  # experts sharded over ep
+        shares.append(experts / s.ep)
+        largest = max(largest, held[-1] if s.zero3_fetch == "unit" else largest_fetch(unit, s))
+    return _StageSums(
+        names=tuple(u.name for u in units), policies=tuple(policies),
+        forward_s=sum(p.forward_s for p in parts), backward_s=sum(p.backward_s for p in parts),
+        forward_comm_s=sum(p.forward_comm_s for p in parts), backward_comm_s=sum(p.backward_comm_s for p in parts),
+        recompute_s=sum(p.recompute_s for p in parts), held=tuple(held), expert_shares=tuple(shares), largest=largest,
+        activation_bytes=sum(p.activation_bytes for p in parts),
+        transient_bytes=max((p.transient_bytes for p in parts), default=0.0),
+        recomputed_layers=sum(policy != "none" for policy in policies),
+        backward_weight_s=sum(pricing.timed(unit).backward_weight_s for unit in units))
 
 
 def _context_exchange_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence[str]) -> tuple[float, float]:

@@ -159,19 +159,27 @@ def estimate_split_backward(forward_s: list[float], backward_s: list[float], wei
     """
 
     stages, m = pp * vp, num_microbatches
-    weight_s = weight_s or [0.0] * stages
     weights = stage_weight or [1.0] * stages
+    step, per_rank, held_by_rank = split_backward_step(forward_s, backward_s, weight_s, m, schedule, pp=pp, vp=vp,
+                                                       p2p_s=p2p_s)
+    held_chunks = min(2 * pp, 2 * m) if schedule == "zbv" else min(pp * vp, m * vp)
+    peaks = tuple(held_chunks * sum(weights[i] for i in held) / len(held) for held in held_by_rank)
+    return PipelineResult(step_time_s=step, rank_busy_s=tuple(m * t for t in per_rank),
+                          rank_end_s=tuple(step for _ in range(pp)), peak_in_flight=peaks, timeline=())
+
+
+def split_backward_step(forward_s: list[float], backward_s: list[float], weight_s: list[float] | None,
+                        m: int, schedule: str, *, pp: int, vp: int, p2p_s: float
+                        ) -> tuple[float, list[float], list[list[int]]]:
+    """`estimate_split_backward`'s step time, each rank's busy time per micro-batch, and its stages."""
+    stages = pp * vp
+    weight_s = weight_s or [0.0] * stages
     held_by_rank = [[i for i in range(stages) if stage_rank(i, pp, schedule) == r] for r in range(pp)]
     per_rank = [sum(forward_s[i] + backward_s[i] for i in held) for held in held_by_rank]
     f, b, w = (sum(values) / stages for values in (forward_s, [x - y for x, y in zip(backward_s, weight_s)], weight_s))
     if schedule == "zbv":
         hop = max(f + b - 2 * w, f, b)
-        held_chunks = min(2 * pp, 2 * m)
     else:
         hop = max(f + b - w, f, b)  # per chunk: a full stage's / vp
-        held_chunks = min(pp * vp, m * vp)
     transfers = 2 * (pp - 1) * p2p_s
-    step = m * max(per_rank) + (pp - 1) * hop + transfers
-    peaks = tuple(held_chunks * sum(weights[i] for i in held) / len(held) for held in held_by_rank)
-    return PipelineResult(step_time_s=step, rank_busy_s=tuple(m * t for t in per_rank),
-                          rank_end_s=tuple(step for _ in range(pp)), peak_in_flight=peaks, timeline=())
+    return m * max(per_rank) + (pp - 1) * hop + transfers, per_rank, held_by_rank

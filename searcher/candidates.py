@@ -22,7 +22,7 @@ from autopar.cost_models.evaluate import Evaluation, evaluate, partition, with_f
 from autopar.cost_models.experts import fewest_experts
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.collectives import head_vocab
-from autopar.cost_models.implementation import RUNTIME_PROFILE, as_run, profile_of
+from autopar.cost_models.implementation import RUNTIME_PROFILE, as_run, is_runtime_profile, profile_of
 from autopar.cost_models.stage_costs import CostCache
 from autopar.cost_models.strategy import check_fixed_degrees, check_strategy, standalone_ends
 
@@ -91,6 +91,7 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
             continue
         per_replica = global_batch // dp if global_batch % dp == 0 else 0
         microbatches = [mb for mb in MICROBATCH_CHOICES if per_replica and per_replica % mb == 0]
+        eps = choices("ep", [d for d in _divisors(dp) if experts and experts % d == 0] or [1])
         for mb, zero, recompute, sp, schedule in product(
             choices("microbatch", microbatches), choices("zero", (0, 1, 2, 3)),
             choices("recompute", ("none", "selective", "full")),
@@ -100,7 +101,6 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
             if zero > 0 and dp * cp == 1 and "zero" not in fixed and offload == "none":
                 continue  # nothing to shard over (offload needs FSDP2, at any dp)
             vps = choices("vp", VP_CHOICES if schedule == "interleaved" else zero_bubble_vps(schedule))
-            eps = choices("ep", [d for d in _divisors(dp) if experts and experts % d == 0] or [1])
             kinds = choices("cp_kind", CP_KINDS if cp > 1 else ("ring",))
             for vp, ep, cp_kind in product(vps, eps, kinds):
                 if dp % ep:
@@ -134,31 +134,48 @@ def quick_evaluations(
     """
     cache = cache if cache is not None else CostCache()
     facts = priced_as_run(facts, fixed)
+    valid, count, rejected = valid_strategies(facts, cluster, fixed, global_batch, layers=layers, supports=supports)
+    quick = [evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
+                             overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache)
+             for strategy in valid]
+    return quick, count, rejected
+
+
+def valid_strategies(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *,
+                     layers: int, supports: Callable[[Strategy], str | None] | None = None
+                     ) -> tuple[list[Strategy], int, dict[str, int]]:
+    """The completions of `fixed` the runtime supports and no rule rejects, in enumeration order
+    (`facts` as the fixed profile runs them); (valid, completions tried, rejection reason → count).
+    Raises when none is valid."""
     check_fixed_degrees(fixed, cluster.world_size)
     rejected: dict[str, int] = {}
-    quick: list[Evaluation] = []
+    valid: list[Strategy] = []
     count = 0
     experts = fewest_experts(facts.experts)
+    end_units = standalone_ends(facts.units)
+    as_runtime = not is_runtime_profile(fixed)  # completions carry the fixed profile: the runtime's unless fixed
     for strategy in completions(fixed, cluster.world_size, global_batch, experts, facts.seq_len):
         count += 1
-        reason = supports(strategy.model_copy(update=RUNTIME_PROFILE)) if supports is not None else None
+        if supports is not None:
+            reason = supports(strategy.model_copy(update=RUNTIME_PROFILE) if as_runtime else strategy)
+        else:
+            reason = None
         if reason is None:
             try:
                 check_strategy(strategy, world_size=cluster.world_size, global_batch=global_batch, layers=layers,
                                heads=facts.heads, kv_heads=facts.kv_heads, experts=experts, seq_len=facts.seq_len,
-                               end_units=standalone_ends(facts.units))
+                               end_units=end_units)
             except AutoparError as error:
                 reason = str(error)
         if reason is not None:
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
-        quick.append(evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
-                                     overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache))
-    if not quick:
+        valid.append(strategy)
+    if not valid:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
         raise AutoparError(_no_completion(fixed, cluster.world_size, global_batch, count, rejected))
-    return quick, count, rejected
+    return valid, count, rejected
 
 
 def _no_completion(fixed: dict[str, Any], world_size: int, global_batch: int, count: int,

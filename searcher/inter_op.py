@@ -85,30 +85,35 @@ def partition(
             row.append(running)
         largest_transient.append(row)
 
+    held_by_stage = [in_flight(stage, stages, num_microbatches, schedule, vp) for stage in range(stages)]
+    chunk_capacity = memory_capacity_bytes / vp if memory_capacity_bytes is not None else None
+
     def fits(stage: int, start: int, end: int) -> bool:
-        if memory_capacity_bytes is None:
+        if chunk_capacity is None:
             return True
-        held = in_flight(stage, stages, num_microbatches, schedule, vp)
         transient = largest_transient[start][end - start - 1]
         total = (prefix_state[end] - prefix_state[start]
-                 + held * (prefix_activation[end] - prefix_activation[start]) + transient)
-        return total <= memory_capacity_bytes / vp
+                 + held_by_stage[stage] * (prefix_activation[end] - prefix_activation[start]) + transient)
+        return total <= chunk_capacity
 
     infinity = float("inf")
     best = [[infinity] * (n + 1) for _ in range(stages + 1)]
     cut = [[-1] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for s in range(1, stages + 1):
+        previous, row, cut_row = best[s - 1], best[s], cut[s]
+        first = s - 1  # the first start whose stage fits: a stage's memory grows as it starts earlier or ends
+        # later, so the first fitting start never moves back as the end moves on
         # Stage s-1 covers [i, j); leave at least one unit for each later stage.
         for j in range(s, n - (stages - s) + 1):
-            for i in range(s - 1, j):
-                if best[s - 1][i] == infinity or (must_start and any(k in must_start for k in range(i + 1, j))):
+            while first < j and not fits(s - 1, first, j):
+                first += 1
+            for i in range(first, j):
+                if previous[i] == infinity or (must_start and any(k in must_start for k in range(i + 1, j))):
                     continue
-                if not fits(s - 1, i, j):
-                    continue
-                value = max(best[s - 1][i], prefix_time[j] - prefix_time[i])
-                if value < best[s][j]:
-                    best[s][j], cut[s][j] = value, i
+                value = max(previous[i], prefix_time[j] - prefix_time[i])
+                if value < row[j]:
+                    row[j], cut_row[j] = value, i
     if best[stages][n] == infinity:
         return None
     bounds = []

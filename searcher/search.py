@@ -48,11 +48,12 @@ from autopar.cost_models.implementation import is_runtime_profile
 from autopar.cost_models.memory import model_state_bytes, planning_capacity_bytes
 from autopar.cost_models.stage_costs import CostCache
 from autopar.cost_models.strategy import check_strategy
+from autopar.searcher.bounded import bounded_quick_evaluations
 from autopar.searcher.candidates import fit_recompute, priced_as_run, quick_evaluations, unfitted
 from autopar.searcher.inter_op import UnitCost, partition as dp_partition
 from autopar.searcher.memory_budget import LayerBudget, layer_budget
 from autopar.searcher.tp_placements import megatron_checked, one_each_proposal, planned_tp_placements, same_tp_ledger
-from autopar.searcher.why_not import WhyNot, why_not_rows
+from autopar.searcher.why_not import WhyNot, compared_groups, why_not_rows
 
 REFINE_TOP = 12
 
@@ -154,7 +155,10 @@ def _search_once(
     capabilities: Capabilities = RUNTIME_CAPABILITIES,
     efficiency: Efficiency = DEFAULT_EFFICIENCY,
     use_ilp: bool = True,
+    exhaustive: bool = False,
 ) -> SearchResult:
+    """`exhaustive`: price every valid completion for the quick ranking, not only those that can
+    change the answer (`searcher.bounded`; the same result, slower: what the tests compare it with)."""
     started = time.perf_counter()
     fixed = dict(fixed or {})
     layers = layers if layers is not None else max(len(facts.layer_units), 1)
@@ -164,8 +168,13 @@ def _search_once(
     use_ilp = use_ilp and is_runtime_profile(fixed)
     capabilities = megatron_checked(capabilities, graph, facts)
     cache = CostCache()  # unit costs shared by every evaluation of this search
-    quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
-                                               efficiency=efficiency, supports=capabilities.supports, cache=cache)
+    if exhaustive:
+        quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
+                                                   efficiency=efficiency, supports=capabilities.supports, cache=cache)
+    else:
+        quick, count, rejected = bounded_quick_evaluations(
+            facts, cluster, fixed, global_batch, layers=layers, rank_key=_rank_key, keep=REFINE_TOP,
+            groups=compared_groups(facts, cluster), efficiency=efficiency, supports=capabilities.supports, cache=cache)
     quick.sort(key=_rank_key)
 
     refiner = Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities, cache)
@@ -366,8 +375,12 @@ class Refiner:
         return self.cache[key]
 
     def _placed(self, planned: dict[str, str], microbatch: int):
-        """Units sending what the runtime sends for `planned`, with work divided as those shards divide it."""
-        return placed_units(self.graph, self._sharded_facts(planned).units, planned, microbatch)
+        """Units sending what the runtime sends for `planned`, with work divided as those shards divide it
+        (once per placements and micro-batch: the top strategies share them)."""
+        key = ("placed", tuple(sorted(planned.items())), microbatch)
+        if key not in self.cache:
+            self.cache[key] = placed_units(self.graph, self._sharded_facts(planned).units, planned, microbatch)
+        return self.cache[key]
 
     def _refine_with(self, strategy: Strategy, units, op_placements, param_placements, *, vocab=None,
                      repeats=None, tp_step=(), selective_repeats=False) -> Candidate:
@@ -403,9 +416,11 @@ class Refiner:
         batch = rank_batch(s)
         tp_layout = group_layout(s.tp, 1, self.cluster.gpus_per_node)
         costs = []
+        gpu, cache = self.cluster.gpu, self.cost_cache
+        token = cache.token(("partition time", gpu.name, facts.precision, batch, s.tp, s.sp, self.efficiency))
         for unit in facts.units:
-            t = unit_time(unit, self.cluster.gpu, facts.precision, batch=batch, tp=s.tp, sp=s.sp,
-                          efficiency=self.efficiency)
+            t = cache.get(unit, (token,), lambda: unit_time(unit, gpu, facts.precision, batch=batch, tp=s.tp, sp=s.sp,
+                                                            efficiency=self.efficiency))
             comm = 0.0
             if s.tp > 1:
                 for total, count in ((t.forward_reduce_bytes, t.forward_reduces),

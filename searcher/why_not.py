@@ -58,11 +58,7 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
     seen: dict[Any, WhyNot | None] = {_key(reference.strategy, fitted): None}  # the chosen plan has no row
     for candidate in ranked[1:1 + runners_up]:
         _add(rows, seen, _priced("runner-up", candidate.evaluation, reference), fitted)
-    world, per_node = cluster.world_size, cluster.gpus_per_node
-    tp_node = min(per_node, world)
-    families = {"pure data parallel": {"tp": 1, "pp": 1, "cp": 1},
-                f"tensor parallel only (tp={tp_node})": {"tp": tp_node, "pp": 1, "cp": 1},
-                "no pipeline (pp=1)": {"pp": 1}}
+    families = _layout_families(cluster)
     split = [e for e in quick if e.strategy.cp > 1]
     if reference.strategy.cp > 1:  # why the sequence is split: the best plan that does not split it
         families["no context parallel (cp=1)"] = {"cp": 1}
@@ -70,8 +66,7 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
         best_split = _best_of(split).strategy
         families[f"context parallel (cp={best_split.cp}, {best_split.cp_kind})"] = {"cp": best_split.cp,
                                                                                    "cp_kind": best_split.cp_kind}
-    experts = fewest_experts(facts.experts)
-    ep = max((d for d in range(2, world + 1) if world % d == 0 and experts and experts % d == 0), default=None)
+    ep = _expert_degree(facts, cluster)
     if ep is not None:  # a MoE model: its experts over as many ranks as they split into
         families[f"expert parallel (ep={ep})"] = {"ep": ep}
     for label, degrees in families.items():
@@ -89,6 +84,33 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
                          vocab=head_vocab(facts, choice), cache=cache)  # as `refine` prices Megatron
         _add(rows, seen, _priced(label, exact, reference, without=without, batch_rule=rule), fitted)
     return rows
+
+
+def _layout_families(cluster: ClusterSpec) -> dict[str, dict[str, int]]:
+    world = cluster.world_size
+    tp_node = min(cluster.gpus_per_node, world)
+    return {"pure data parallel": {"tp": 1, "pp": 1, "cp": 1},
+            f"tensor parallel only (tp={tp_node})": {"tp": tp_node, "pp": 1, "cp": 1},
+            "no pipeline (pp=1)": {"pp": 1}}
+
+
+def _expert_degree(facts: ModelFacts, cluster: ClusterSpec) -> int | None:
+    """The ep of the expert-parallel row: a MoE model's experts over as many ranks as they split into."""
+    world, experts = cluster.world_size, fewest_experts(facts.experts)
+    return max((d for d in range(2, world + 1) if world % d == 0 and experts and experts % d == 0), default=None)
+
+
+def compared_groups(facts: ModelFacts, cluster: ClusterSpec) -> list[Callable[[Strategy], bool]]:
+    """The groups of ranked completions whose best member (`_best_of`) `why_not_rows` may read: its
+    families, the completions with context parallelism and those without. A ranking that omits
+    completions must keep, of each group, every member `_best_of` could pick (`searcher.bounded`)."""
+    groups = [dict(degrees) for degrees in _layout_families(cluster).values()]
+    ep = _expert_degree(facts, cluster)
+    groups += [{"cp": 1}] + ([{"ep": ep}] if ep is not None else [])
+
+    def member_of(degrees: dict[str, int]) -> Callable[[Strategy], bool]:
+        return lambda s: all(getattr(s, k) == v for k, v in degrees.items())
+    return [member_of(degrees) for degrees in groups] + [lambda s: s.cp > 1]
 
 
 def _best_of(evaluations: list[Evaluation]) -> Evaluation:
