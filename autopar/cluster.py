@@ -8,6 +8,7 @@ replaces them with measured alpha-beta fits.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -430,8 +431,13 @@ def detect_local_cluster() -> ClusterSpec:
                        **{**host, "host_memory_bytes": _physical_memory_bytes()})
 
 
+@functools.cache
 def _measured_host() -> dict[str, Any]:
-    """This host's CPU AdamW rate and its PCIe link to GPU 0, measured (`autopar.host_rates`)."""
+    """This host's CPU AdamW rate and its PCIe link to GPU 0, measured once per process
+    (`autopar.host_rates`). Under torchrun only local rank 0 measures: the others would each open a
+    context on GPU 0 and slow one another's measurement, and only rank 0 plans (`cli.run_plan`)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return {}
     import torch
 
     from autopar.host_rates import host_optimizer_params_per_s, pcie_bytes_per_s

@@ -36,6 +36,6 @@ def configure_allocator(device: torch.device) -> str:
             setter(SETTING)
         else:
             torch.cuda.memory._set_allocator_settings(SETTING)
-    except (RuntimeError, AttributeError) as error:  # a platform without them
+    except Exception as error:  # a platform or torch without them: the default allocator, said so
         return f"default (expandable segments unavailable: {str(error).splitlines()[0]})"
     return "expandable segments"

@@ -220,6 +220,18 @@ def test_local_matches_gpus_and_keeps_their_real_memory(monkeypatch):
     _one_line_error(excinfo, "no inter_node", "cluster file")
 
 
+def test_only_local_rank_zero_measures_the_host(monkeypatch):
+    """Under torchrun the other local ranks neither touch GPU 0 nor measure (rank 0 plans)."""
+    import autopar.cluster as cluster_module
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    cluster_module._measured_host.cache_clear()
+    try:
+        assert cluster_module._measured_host() == {}
+    finally:
+        cluster_module._measured_host.cache_clear()
+
+
 def test_local_unknown_gpu_asks_for_a_cluster_file(monkeypatch):
     _fake_cuda(monkeypatch, ["NVIDIA GeForce RTX 4090"], 24 * GiB)
     with pytest.raises(AutoparError) as excinfo:
