@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SHARED = ROOT.parent / "shared" / "gpu" / "h100-2026-11-26.json"
-DEFAULT_ROWS = [SHARED, *sorted((ROOT / "benchmarks" / "gpu_runs").glob("h100-*[0-9a-f].json"))]
+DEFAULT_ROWS = [SHARED, *sorted((ROOT / "benchmarks" / "gpu_runs").glob("h[12]00-*[0-9a-f].json"))]
 STRATEGY_KEYS = ("dp", "tp", "pp", "zero", "recompute", "microbatch", "offload", "optimizer_state")
 GiB = 2**30
 
@@ -34,6 +34,7 @@ def rows_of(path: Path) -> list[dict]:
     """Each plan row of a measurement file, with how it ran: the fixed strategy text and the model config."""
     record = json.loads(path.read_text())
     shared = "plans" in record and "runtime_mfu" in record  # the a7ddb44 file: older runtime
+    preset = record.get("cluster", "dgx-h100")  # the one-GPU preset its plans were made for
     rows = []
     for row in record["plans"]:
         measured = row.get("measured", row)
@@ -60,7 +61,7 @@ def rows_of(path: Path) -> list[dict]:
                      "measured_s": measured["step_time_s_mean"],
                      "reserved_bytes": measured["max_memory_reserved_bytes"],
                      "allocated_bytes": measured["max_memory_allocated_bytes"],
-                     "host": _measured_host(row.get("predicted_on_this_host") or {})})
+                     "host": _measured_host(row.get("predicted_on_this_host") or {}), "cluster": preset})
     return rows
 
 
@@ -72,12 +73,12 @@ def _measured_host(priced: dict) -> dict | None:
             "host_link_bytes_per_s": priced["host_link_bytes_per_s"]}
 
 
-def _cluster(host: dict | None):
-    """One H100 of the preset; with the host the row ran on where the suite measured it."""
+def _cluster(host: dict | None, preset: str = "dgx-h100"):
+    """One GPU of the preset; with the host the row ran on where the suite measured it."""
     import autopar
     from autopar.cluster import LinkSpec
 
-    cluster = autopar.load_cluster("dgx-h100", gpus=1)
+    cluster = autopar.load_cluster(preset, gpus=1)
     if host is None:
         return cluster
     link = LinkSpec(name="pcie-measured", bandwidth_bytes_per_s=host["host_link_bytes_per_s"],
@@ -97,8 +98,9 @@ def predict(row: dict, profile: Path | None = None) -> tuple[float, int]:
     import autopar
 
     spec = _spec(row["model"], row["model_config"])
+    cluster = _cluster(row.get("host"), row.get("cluster", "dgx-h100"))
     result = autopar.plan(spec.module, spec.example_inputs(1, row["seq_len"]),
-                          cluster=_cluster(row.get("host")), global_batch=row["global_batch"],
+                          cluster=cluster, global_batch=row["global_batch"],
                           loss_fn=spec.loss_fn, precision=row["precision"], name=row["model"],
                           seq_len=row["seq_len"], strategy=row["fixed"], profile=profile)
     if result.plan is not None:
