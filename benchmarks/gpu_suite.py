@@ -229,7 +229,8 @@ def params_of(model: str, config: str | None) -> int:
     """The model's parameters as a user counts them (the vocabulary unpadded): MFU's numerator."""
     from autopar.models import build_model
 
-    extra = "vocab_multiple=1" + ("," + config if config else "")
+    given = [item for item in (config or "").split(",") if item and not item.startswith("vocab_multiple=")]
+    extra = ",".join(["vocab_multiple=1", *given])
     return sum(p.numel() for p in build_model(model, extra).module.parameters())
 
 
@@ -407,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=470.0, help="skip phases that would end after this")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
     parser.add_argument("--skip", default="", help="phases to skip: plans,baselines,kernels,profile")
+    parser.add_argument("--cases", default="", help="run only these plan rows (comma-separated names)")
     args = parser.parse_args(argv)
     cases = SMOKE_PLANS if args.smoke else PLANS
     if args.predict_only:
@@ -435,8 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     if not dist.is_initialized():  # one process group for every plan (parallelize reuses it)
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1,
                                 store=dist.HashStore())
+    only = set(filter(None, args.cases.split(",")))
     for case in cases if "plans" not in skip else []:
         name, model, config, seq_len, batch, precision, strategy, compile_ = case
+        if only and name not in only:
+            continue
         row = {"case": name, "model": model, "model_config": config, "seq_len": seq_len, "global_batch": batch,
                "precision": precision, "fixed": strategy, "compile": compile_}
         planned = made.get(name, {})
