@@ -27,6 +27,10 @@ The efficiencies are the fraction of datasheet peak that real kernels reach. Def
   leaves cuBLAS's tensor-core kernels for a fallback (NVIDIA, "Matrix Multiplication Background
   User's Guide", Tensor Core requirements; on the H100 a width-50,257 head ran
   `cutlass_75_tensorop_bf16_s1688gemm`): its efficiency is `MISALIGNED_GEMM_FACTOR` of the aligned one.
+  Not under torch.compile: inductor pads such matmuls' operands to the alignment first
+  (`torch._inductor.config.shape_padding`, on by default), so they run at the aligned efficiency. Seen
+  on an H200 (benchmarks/gpu_runs/h200-2026-11-27-7f4beee.json): GPT-1.3B compiled with its
+  vocabulary unpadded stepped in 272.3 ms, padded in 269.4 ms, where eager pays tens of ms.
 - Compiled kernels (`Efficiency.compiled`, a stage or block under torch.compile): inductor fuses
   the elementwise and normalization ops between GEMMs, so the vector ops move
   `1 - COMPILE_FUSED_FRACTION` of their eager bytes. Both constants are fitted below.
@@ -141,7 +145,7 @@ def op_time_s(op: OpFacts, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp:
         if op.gemm is not None:
             dims = op.gemm.at(batch, tp if op.tp_sharded else 1)
             class_efficiency = gemm_efficiency(dims, ceiling, efficiency.gemm_half_dim_for(gpu, dtype))
-            if dtype in ("bf16", "fp16") and any(d % 8 for d in dims[1:]):
+            if dtype in ("bf16", "fp16") and any(d % 8 for d in dims[1:]) and not efficiency.compiled:
                 class_efficiency *= MISALIGNED_GEMM_FACTOR
         compute_time = flops / (gpu.peak_flops_per_s(dtype) * class_efficiency)
     return max(compute_time, memory_time) + efficiency.launch_overhead_s

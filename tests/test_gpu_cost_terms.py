@@ -67,6 +67,10 @@ def test_a_misaligned_16_bit_gemm_runs_at_the_fallback_fraction():
     assert (time_m - overhead) == pytest.approx((time_a - overhead) * 1001 / 1024 / MISALIGNED_GEMM_FACTOR, rel=0.02)
     assert op_time_s(op_m, gpu, "fp32", batch=4, tp=1, sp=False) <= op_time_s(op_a, gpu, "fp32", batch=4, tp=1,
                                                                               sp=False)  # no penalty off 16 bits
+    # compiled, inductor pads the operands (shape_padding): the aligned efficiency on the padded width
+    compiled = dataclasses.replace(DEFAULT_EFFICIENCY, compiled=True)
+    time_c = op_time_s(op_m, gpu, "bf16", batch=4, tp=1, sp=False, efficiency=compiled)
+    assert (time_c - overhead) == pytest.approx((time_a - overhead) * 1001 / 1024, rel=0.02)
 
 
 def test_compiled_vector_ops_move_the_unfused_share_of_their_bytes(padded):
