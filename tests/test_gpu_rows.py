@@ -1,0 +1,50 @@
+"""benchmarks/gpu_rows.py reads each measurement file as it ran: the preset its plans were made for
+(an H200's file prices on dgx-h200), and a row run under an allocator setting the user chose is
+shown but held out of the memory goal (autopar prices its own setting)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROW = {"case": "mb2", "model": "gpt", "model_config": "layers=2,hidden=64,heads=4,vocab=257,seq_len=16",
+       "seq_len": 16, "global_batch": 2, "precision": "fp32",
+       "strategy": {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "recompute": "none", "microbatch": 2},
+       "step_time_s_mean": 1.0, "max_memory_reserved_bytes": 1, "max_memory_allocated_bytes": 1,
+       "optimizations": {"allocator": "expandable segments"}}
+
+
+@pytest.fixture
+def gpu_rows(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_rows
+
+    return gpu_rows
+
+
+def test_rows_are_priced_on_the_preset_their_plans_were_made_for(gpu_rows, tmp_path):
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps({"cluster": "dgx-h200", "plans": [ROW]}))
+    older = tmp_path / "h100.json"
+    older.write_text(json.dumps({"plans": [ROW]}))  # files before --cluster: the H100 preset
+    (row,), (old,) = gpu_rows.rows_of(path), gpu_rows.rows_of(older)
+    assert row["cluster"] == "dgx-h200" and old["cluster"] == "dgx-h100"
+    assert gpu_rows._cluster(None, row["cluster"]).gpu.name.startswith("H200")
+    assert gpu_rows._cluster(None, old["cluster"]).gpu.name.startswith("H100")
+
+
+def test_a_user_allocator_row_is_shown_but_not_a_memory_goal(gpu_rows, tmp_path, capsys):
+    user = {**ROW, "case": "user-alloc",
+            "optimizations": {"allocator": "as the user set it (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)"}}
+    own = {**ROW, "max_memory_reserved_bytes": 1 << 40}  # far above any prediction: under-predicted
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"plans": [{**user, "max_memory_reserved_bytes": 1 << 40}]}))
+    gpu_rows.table([path])
+    out = capsys.readouterr().out
+    assert "not a goal" in out
+    assert "goal <= 2%: met" in out  # the only under-predicted row is the user's
+    path.write_text(json.dumps({"plans": [own]}))
+    gpu_rows.table([path])
+    assert "goal <= 2%: missed" in capsys.readouterr().out
