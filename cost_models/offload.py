@@ -9,11 +9,12 @@ et al. 2021, which also overlaps the CPU step with the next forward and delays p
   one FSDP unit ahead) and gradient shards device→host (4 bytes, after their reduce-scatter),
   as often as the ZeRO stage gathers and reduces (`transfers_per_step`). Each direction hides
   behind the passes it overlaps except, at least, one unit's share.
-- The Adam step runs on the CPU after the last backward, exposed. The runtime steps the host shards
-  with torch's fused CPU AdamW (`runtime.optimizer`). Priced at the host's measured rate
-  (`ClusterSpec.host_optimizer_params_per_s`, which `--cluster local` measures), shared by the node's
-  GPUs; without one, as 28 bytes per parameter over the GPU's share of the node's host memory
-  bandwidth at `CPU_ADAM_EFFICIENCY`. The device's own optimizer step is gone.
+- The host step runs on the CPU after the last backward, exposed: the gradient clipping (its norm
+  and scaling, on the host shards) and torch's fused CPU AdamW (`runtime.optimizer`). Priced at the
+  host's measured rate of both (`ClusterSpec.host_optimizer_params_per_s`, which `--cluster local`
+  measures, `autopar.host_rates`), shared by the node's GPUs; without one, as their 28 + 12 bytes per
+  parameter over the GPU's share of the node's host memory bandwidth at `CPU_ADAM_EFFICIENCY`. The
+  device's own optimizer step is gone.
 """
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
+from autopar.cost_models.optimizer import CLIP_BYTES_PER_PARAM
 
 # fp32 weight and gradient, each copied once per step in each direction
 TRANSFER_BYTES_PER_PARAM = 4
 # CPU Adam moves what the device's does: read weight, gradient and two moments, write weight and
 # moments (no low-precision copy: the cast happens on the device before the all-gather).
 CPU_ADAM_BYTES_PER_PARAM = 28
+# Gradient clipping runs on the host shards too (the runtime clips before every step): a norm read and
+# a scaling read and write (`cost_models.optimizer`). On this 2-core VM, 2**25 parameters: clipping
+# 22.3 ms beside the fused AdamW's 29.9 ms (torch 2.13, 2 threads).
+HOST_STEP_BYTES_PER_PARAM = CPU_ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM
 # torch's fused CPU AdamW (fp32) moves its 28 bytes per parameter at 1.7 (one thread) to 2.1 (two
 # threads) times the rate a plain tensor copy reaches on the same sizes, 2**25 parameters
 # (benchmarks/cpu_adam_rate.py --implementation fused on this 2-core VM; the foreach step, which the
@@ -59,12 +65,13 @@ def pcie_time_s(bytes_moved: float, cluster: ClusterSpec) -> float:
 
 
 def cpu_adam_time_s(params: float, cluster: ClusterSpec) -> float:
-    """The node's GPUs step their shards at once, so each gets its share of the host: of its
-    measured AdamW rate when the cluster has one, else of its memory bandwidth."""
+    """The host step (clipping, then AdamW) of a GPU's shard. The node's GPUs step their shards at
+    once, so each gets its share of the host: of its measured rate when the cluster has one, else of
+    its memory bandwidth."""
     if cluster.host_optimizer_params_per_s is not None:
         return params * cluster.gpus_per_node / cluster.host_optimizer_params_per_s
     per_gpu = cluster.host_memory_bandwidth_bytes_per_s / cluster.gpus_per_node
-    return params * CPU_ADAM_BYTES_PER_PARAM / (per_gpu * CPU_ADAM_EFFICIENCY)
+    return params * HOST_STEP_BYTES_PER_PARAM / (per_gpu * CPU_ADAM_EFFICIENCY)
 
 
 def transfers_per_step(zero: int, num_microbatches: int) -> tuple[int, int]:

@@ -72,7 +72,8 @@ def test_offload_time_is_the_pcie_copies_and_the_cpu_adam_step(small_facts):
     moved = evaluate(small_facts, cluster, _strategy(offload="optimizer"), 8)
     shard = small_facts.num_params / 2
     per_gpu_host_bandwidth = 614.4e9 / 2  # DDR5 of both Xeon 8480C sockets, shared by the node's 2 GPUs
-    cpu_step = shard * 28 / (per_gpu_host_bandwidth * offload_cost_model.CPU_ADAM_EFFICIENCY)
+    # AdamW's 28 bytes per parameter and the clipping's 12 (a norm read, a scaling read and write)
+    cpu_step = shard * (28 + 12) / (per_gpu_host_bandwidth * offload_cost_model.CPU_ADAM_EFFICIENCY)
     copy = shard * 4 / (63.0e9 * 0.70) + 10e-6  # one shard over PCIe Gen5 x16 at its measured share
     forward = sum(stage.forward_s for stage in moved.stages)
     backward = sum(stage.backward_s for stage in moved.stages)
@@ -93,12 +94,32 @@ def test_a_measured_host_rate_prices_the_cpu_step(small_facts):
     assert moved.breakdown["cpu_optimizer"] == pytest.approx(shard * 2 / 1.5e9)
 
 
-def test_the_host_rate_measured_is_the_runtimes_optimizer():
-    """`autopar.host_rates` times the fused CPU AdamW, which the runtime steps host shards with."""
-    from autopar.host_rates import host_optimizer_params_per_s
-    from autopar.runtime.optimizer import optimizer_implementation
+def test_the_host_rate_measured_is_the_runtimes_host_step():
+    """`autopar.host_rates` times what the runtime runs on host shards: clipping to the global norm,
+    then the fused CPU AdamW; the same step on the same shards gives the runtime's result."""
+    from autopar.host_rates import host_optimizer_params_per_s, host_step
+    from autopar.runtime.optimizer import build_optimizer, optimizer_implementation
 
     assert optimizer_implementation([torch.zeros(4)], offload="optimizer") == "fused"
+    torch.manual_seed(0)
+    start = [torch.randn(64) for _ in range(3)]
+    grads = [torch.randn(64) * 5 for _ in range(3)]
+
+    def shards():
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        return params
+
+    measured = shards()
+    host_step(measured, torch.optim.AdamW(measured, lr=1e-2, fused=True))
+    reference = shards()
+    torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    assert torch.linalg.vector_norm(torch.cat([p.grad for p in reference])) == pytest.approx(1.0, rel=1e-4)
+    build_optimizer(reference, 1e-2, offload="optimizer").step()
+    for ours, theirs in zip(measured, reference):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+        torch.testing.assert_close(ours.detach(), theirs.detach())
     assert host_optimizer_params_per_s(params=2**16, repeats=1) > 1e6
 
 
