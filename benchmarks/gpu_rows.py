@@ -67,11 +67,17 @@ def rows_of(path: Path) -> list[dict]:
 
 
 def _measured_host(priced: dict) -> dict | None:
-    """The host rates gpu_suite measured beside an offload row (`priced_on_this_host`), or None."""
+    """The host rates gpu_suite measured beside an offload row (`priced_on_this_host`), or None.
+    Files before the rate timed clipping with AdamW (no `host_step` key) timed AdamW alone: the host
+    step adds clipping's 12 bytes per parameter to AdamW's 28 at the rate AdamW moved its bytes."""
     if not priced.get("host_optimizer_params_per_s"):
         return None
-    return {"host_optimizer_params_per_s": priced["host_optimizer_params_per_s"],
-            "host_link_bytes_per_s": priced["host_link_bytes_per_s"]}
+    from autopar.cost_models.offload import CPU_ADAM_BYTES_PER_PARAM, HOST_STEP_BYTES_PER_PARAM
+
+    rate = priced["host_optimizer_params_per_s"]
+    if priced.get("host_step") != "clip+adamw":
+        rate *= CPU_ADAM_BYTES_PER_PARAM / HOST_STEP_BYTES_PER_PARAM
+    return {"host_optimizer_params_per_s": rate, "host_link_bytes_per_s": priced["host_link_bytes_per_s"]}
 
 
 def _cluster(host: dict | None, preset: str = "dgx-h100"):

@@ -134,6 +134,7 @@ def priced_on_this_host(case: tuple, device: str) -> dict:
     result = autopar.plan(spec.module, spec.example_inputs(1, seq_len), cluster=cluster, global_batch=batch,
                           loss_fn=spec.loss_fn, precision=precision, name=model, seq_len=seq_len, strategy=strategy)
     host = {"host_optimizer_params_per_s": cluster.host_optimizer_params_per_s,
+            "host_step": "clip+adamw",  # what the rate times (autopar.host_rates.host_step)
             "host_link_bytes_per_s": cluster.host_link.bandwidth_bytes_per_s}
     if result.plan is None:
         return {"status": f"refused: {result.no_fit_reason()}", **host}

@@ -278,5 +278,10 @@ def test_gpu_rows_prices_an_offload_row_on_the_host_it_ran_on(tmp_path, monkeypa
     path.write_text(json.dumps({"plans": [row, {**row, "case": "unmeasured", "predicted_on_this_host": None}]}))
     measured, unmeasured = gpu_rows.rows_of(path)
     cluster = gpu_rows._cluster(measured["host"])
-    assert cluster.host_optimizer_params_per_s == 2e9 and cluster.host_link.effective_bandwidth_bytes_per_s == 20e9
+    # a file without `host_step` timed AdamW alone: its rate at AdamW's 28 of the step's 28 + 12 bytes
+    assert cluster.host_optimizer_params_per_s == pytest.approx(2e9 * 28 / 40)
+    assert cluster.host_link.effective_bandwidth_bytes_per_s == 20e9
+    row["predicted_on_this_host"]["host_step"] = "clip+adamw"  # the suite's rate since a075975
+    path.write_text(json.dumps({"plans": [row]}))
+    assert gpu_rows._cluster(gpu_rows.rows_of(path)[0]["host"]).host_optimizer_params_per_s == 2e9
     assert unmeasured["host"] is None and gpu_rows._cluster(None).host_optimizer_params_per_s is None
