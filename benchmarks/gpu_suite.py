@@ -60,8 +60,8 @@ PLANS = [
     # the searcher would hand a user, not only on fixed ones
     ("g13-b32-searched", *GPT13, 32, "bf16", None, False),
     ("g13-mb8-none-compile", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", True),
-    # at 2fef514 the compiled row's loss after 7 updates was 10.557 where eager's after 6 was 10.196:
-    # the same plan unpadded tells the padded-logits mask under inductor from the rest
+    # the same plan unpadded: inductor pads misaligned matmuls itself (priced so since 4337bc4), and its
+    # losses against the padded row's check the padded-logits mask under inductor
     ("g13-unpadded-compile", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
      "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", True),
     ("g13-mb16-full", *GPT13, 16, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=full,microbatch=16", False),
