@@ -16,7 +16,7 @@ from autopar.plan_schema import ZERO_BUBBLE_SCHEDULES, Strategy
 # Strategy knobs that say how other software implemented a run (`cost_models.implementation`):
 # the runtime executes each at its default only.
 IMPLEMENTATION_KNOBS = ("attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "zero3_fetch",
-                        "optimizer_impl")
+                        "optimizer_impl", "gemm_padding")
 # (knob, the runtime's value): read once, not per strategy `supports` checks
 _RUNTIME_KNOBS = tuple((knob, Strategy.model_fields[knob].default) for knob in IMPLEMENTATION_KNOBS)
 
@@ -250,6 +250,17 @@ def zero_bubble_problem(strategy: Strategy) -> str | None:
 
 
 RUNTIME_CAPABILITIES = Capabilities()
+
+
+def gemm_padding_problem(strategy: Strategy, precision: str) -> str | None:
+    """Why the runtime does not pad this plan's misaligned linear layers (None: it does,
+    `runtime/gemm_padding.py`): only 16-bit GEMMs need it; pipeline stages are captured as graphs
+    before the runtime would pad; tensor parallelism shards the weights the pad would read whole."""
+    reasons = [text for text, applies in (
+        ("not a 16-bit precision", precision not in ("bf16", "fp16")), ("pipeline stages", strategy.pp > 1),
+        ("gemm_padding=false", not strategy.gemm_padding),
+        ("tensor parallel shards", strategy.tp > 1)) if applies]
+    return ", ".join(reasons) or None
 
 
 def whole_stage_problem(strategy: Strategy) -> str | None:

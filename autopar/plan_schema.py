@@ -129,6 +129,10 @@ class Strategy(_Record):
     # torch's default (its multi-tensor passes; `cost_models.optimizer`). Added with schema version
     # 1's plans loading as "fused".
     optimizer_impl: Literal["fused", "foreach"] = "fused"
+    # Misaligned linear layers computed at an aligned width (`autopar.graph.paddable`,
+    # `runtime/gemm_padding.py`, where `capabilities.gemm_padding_problem` allows): the runtime's;
+    # false prices software that does not pad them. Plans made before it load as true.
+    gemm_padding: bool = True
     # torch.compile: the whole stage with its loss where `capabilities.whole_stage_problem` allows,
     # else each block (`runtime.compile`); priced as fused elementwise kernels (`cost_models.compute`).
     # A runtime choice, not another software's profile: `autopar run --compile` fixes it.

@@ -52,9 +52,13 @@ def rows_of(path: Path) -> list[dict]:
         config = row.get("model_config")
         if shared:
             fixed["optimizer_impl"] = "foreach"
+            fixed["gemm_padding"] = "false"  # the runtime then ran misaligned layers at their width
             config = ",".join(filter(None, ["vocab_multiple=1", config]))
-        elif row.get("compile"):
-            fixed["compile"] = "true"
+        else:
+            if row.get("compile"):
+                fixed["compile"] = "true"
+            if "GEMM padding" not in row.get("optimizations", {}):  # ran before the runtime padded misaligned layers
+                fixed["gemm_padding"] = "false"
         rows.append({"source": path.name, "case": row["case"], "status": "ok", "model": row["model"],
                      "model_config": config, "seq_len": row["seq_len"], "global_batch": row["global_batch"],
                      "precision": row["precision"], "fixed": ",".join(f"{k}={v}" for k, v in fixed.items()),

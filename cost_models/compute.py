@@ -31,6 +31,9 @@ The efficiencies are the fraction of datasheet peak that real kernels reach. Def
   (`torch._inductor.config.shape_padding`, on by default), so they run at the aligned efficiency. Seen
   on an H200 (benchmarks/gpu_runs/h200-2026-11-27-7f4beee.json): GPT-1.3B compiled with its
   vocabulary unpadded stepped in 272.3 ms, padded in 269.4 ms, where eager pays tens of ms.
+  Nor where the runtime pads the product (`Efficiency.padded_gemms`, a linear layer
+  `autopar.graph.paddable` marks): it runs aligned, and pays for its pad copies
+  (`padding_copy_bytes`).
 - Compiled kernels (`Efficiency.compiled`, a stage or block under torch.compile): inductor fuses
   the elementwise and normalization ops between GEMMs, so the vector ops move
   `1 - COMPILE_FUSED_FRACTION` of their eager bytes. Both constants are fitted below.
@@ -78,6 +81,9 @@ class Efficiency:
     layer_overhead_s: float = 0.0
     # The ops run as torch.compile's fused kernels (set per unit by `stage_costs.Pricing.timed`).
     compiled: bool = False
+    # The runtime pads the products of the linear layers `GemmShape.padding` marks (16-bit
+    # precision, where the layout allows: `capabilities.gemm_padding_problem`).
+    padded_gemms: bool = False
 
     def matmul_for(self, gpu: GpuSpec) -> float:
         if self.matmul is not None:
@@ -145,10 +151,27 @@ def op_time_s(op: OpFacts, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp:
         if op.gemm is not None:
             dims = op.gemm.at(batch, tp if op.tp_sharded else 1)
             class_efficiency = gemm_efficiency(dims, ceiling, efficiency.gemm_half_dim_for(gpu, dtype))
-            if dtype in ("bf16", "fp16") and any(d % 8 for d in dims[1:]) and not efficiency.compiled:
+            padded = efficiency.padded_gemms and op.gemm.padding is not None
+            if padded:
+                memory_time += padding_copy_bytes(op, dims) / (gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
+            elif dtype in ("bf16", "fp16") and any(d % 8 for d in dims[1:]) and not efficiency.compiled:
                 class_efficiency *= MISALIGNED_GEMM_FACTOR
         compute_time = flops / (gpu.peak_flops_per_s(dtype) * class_efficiency)
     return max(compute_time, memory_time) + efficiency.launch_overhead_s
+
+
+def padding_copy_bytes(op: OpFacts, dims: tuple[float, float, float, float]) -> float:
+    """What the runtime's padding of a linear layer copies (`runtime/gemm_padding.py`), charged to
+    the product that waits for it: the forward pads the weight (read and written, fp32 at most: 8
+    bytes per padded element); the input gradient's product pads the output gradient it receives
+    (16-bit, read and written: 4 bytes per padded element); the weight gradient's reuses that one."""
+    width, padded = op.gemm.padding
+    if op.phase == "forward":
+        others = [d for i, d in enumerate(dims[1:], start=1) if i != op.gemm.scaled and d != width]
+        return 8.0 * padded * (others[0] if others else 0.0)
+    if op.weight_gradient:
+        return 0.0
+    return 4.0 * padded * dims[op.gemm.scaled]
 
 
 def unit_fixed_overhead_s(unit: Unit, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> float:

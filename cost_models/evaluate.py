@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from autopar.capabilities import gemm_padding_problem
 from autopar.cluster import ClusterSpec
 from autopar.plan_schema import Strategy, rank_stage_indices
 from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_parallel_gradient_reductions,
@@ -272,7 +273,7 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             if s.cp > 1 else 0.0,
             num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl, pp=s.pp,
             # the loss's gradients live before the first recomputed layer's transient: the larger counts
-            loss_bytes=max(0.0, loss_gradient_bytes(pricing.facts, s)
+            loss_bytes=max(0.0, loss_gradient_bytes(pricing.facts, s) + padding_transient_bytes(pricing.facts, s)
                            - max(prices.stages[i].transient_bytes for i in stage_indices))
             if len(prices.stages) - 1 in stage_indices else 0.0,
         )
@@ -289,6 +290,17 @@ def loss_gradient_bytes(facts, s: Strategy) -> float:
         return 0.0
     shards = s.tp if s.pp == 1 else 1
     return 8.0 * s.microbatch * facts.seq_len / s.cp * facts.vocab / shards
+
+
+def padding_transient_bytes(facts: ModelFacts, s: Strategy) -> float:
+    """The output gradient a padded linear layer's backward copies to its padded width (16-bit,
+    `compute.padding_copy_bytes`), beside the loss's gradients at the head: the widest such copy,
+    where the runtime pads (`capabilities.gemm_padding_problem`)."""
+    if gemm_padding_problem(s, facts.precision) is not None:
+        return 0.0
+    return max((2.0 * op.gemm.padding[1] * op.gemm.at(rank_batch(s), 1)[op.gemm.scaled]
+                for unit in facts.units if unit.padded_gemms for op in unit.backward_ops
+                if op.gemm is not None and op.gemm.padding is not None and not op.weight_gradient), default=0.0)
 
 
 def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: PipelineResult,

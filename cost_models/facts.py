@@ -69,6 +69,9 @@ class GemmShape:
     dims: tuple[float, float, float, float]
     scaled: int
     split: int = -1
+    # (width, padded width) of a linear layer the runtime computes padded (`autopar.graph.paddable`):
+    # the dimension of this product equal to `width` runs at the padded one, aligned
+    padding: tuple[int, int] | None = None
 
     def at(self, batch: int, tp: int) -> tuple[float, float, float, float]:
         """The (count, m, n, k) one rank runs for a micro-batch of `batch` samples."""
@@ -106,6 +109,8 @@ class Unit:
     # Parallel to param_shapes: False for a frozen parameter (requires_grad off), which has no
     # gradient to all-reduce or reduce-scatter (Whisper's sinusoidal position table).
     param_trainable: tuple[bool, ...] = ()
+    # A linear layer's product here the runtime may pad (`GemmShape.padding`)
+    padded_gemms: bool = False
     # Parallel to param_shapes: False for a parameter no op reads. It gets no gradient, so FSDP2
     # reduce-scatters nothing for it; a dp bucket still all-reduces its (zero) gradient.
     param_read: tuple[bool, ...] = ()
@@ -197,7 +202,8 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     weight_gradients = weight_gradient_ops(graph)
     for node in graph.nodes:
         ops_by_unit.setdefault(unit_of[node.name], []).append(
-            _op_facts(node, status, param_bytes, per_sample, _gemm_shape(node, status, sharded, graph.batch, tokens),
+            _op_facts(node, status, param_bytes, per_sample,
+                      _gemm_shape(node, status, sharded, graph.batch, tokens, graph.padded_linears),
                       node.name in weight_gradients)
         )
     order = list(dict.fromkeys(unit_of[n.name] for n in graph.nodes if n.phase == "forward"))
@@ -242,6 +248,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
                                for p, u in owner.items() if u == name),
             param_trainable=tuple(params[p].trainable for p, u in owner.items() if u == name),
             param_read=tuple(p in read_anywhere for p, u in owner.items() if u == name),
+            padded_gemms=any(op.gemm is not None and op.gemm.padding is not None for op in ops_by_unit[name]),
         )
         for name in order
     )
@@ -252,7 +259,8 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     )
 
 
-def _gemm_shape(node: OpNode, status: dict, sharded: set[str], batch: int, tokens: int) -> GemmShape | None:
+def _gemm_shape(node: OpNode, status: dict, sharded: set[str], batch: int, tokens: int,
+                padded: dict[str, tuple[int, int]] | None = None) -> GemmShape | None:
     """The GEMM a matmul op runs, per sample: the traced batch `batch` divided out of the dimension
     that holds it (the tokens, `tokens` = batch × sequence, for a 2-D product; the count for a
     batched one), and the dimension tp splits, read off the operands' shard status as
@@ -285,8 +293,11 @@ def _gemm_shape(node: OpNode, status: dict, sharded: set[str], batch: int, token
         split = 0 if all(pair) else 1 if pair[0] else 2 if pair[1] else -1
     else:
         return None
+    padding = padded.get(node.module_path) if padded else None
+    if padding is not None and padding[0] not in dims[1:]:  # not the layer's product itself
+        padding = None
     dims[scaled] /= max(batch, 1)
-    return GemmShape((dims[0], dims[1], dims[2], dims[3]), scaled, split)
+    return GemmShape((dims[0], dims[1], dims[2], dims[3]), scaled, split, padding)
 
 
 def weight_gradient_ops(graph: OpGraph) -> set[str]:

@@ -27,6 +27,8 @@ what-if price. The knobs, with what the cost model does with each:
   (`cost_models.stage_costs`, `cost_models.memory`).
 - `optimizer_impl=foreach`: torch's default AdamW (multi-tensor passes, a temporary the size of the
   moments) instead of the runtime's fused kernel (`cost_models.optimizer`).
+- `gemm_padding=false`: misaligned 16-bit linear layers run at their own width, on the fallback
+  kernel (`cost_models.compute`), as the runtime did before it padded them (a7ddb44).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from autopar.errors import AutoparError
 from autopar.cost_models.facts import GemmShape, ModelFacts, OpFacts
 
 RUNTIME_PROFILE: dict[str, Any] = {"attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
-                                   "optimizer_state": "fp32", "zero3_fetch": "unit", "optimizer_impl": "fused"}
+                                   "optimizer_state": "fp32", "zero3_fetch": "unit", "optimizer_impl": "fused",
+                                   "gemm_padding": True}
 PROFILE_KEYS = tuple(RUNTIME_PROFILE)
 _MASK_BYTES = 1  # a dropout mask: one bool per element
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

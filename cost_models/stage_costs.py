@@ -20,7 +20,7 @@ from autopar.plan_schema import Strategy, stage_rank
 from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
                                              vocab_parallel_head_collectives)
 from autopar.cost_models.communication import GroupLayout, collective_time_s
-from autopar.capabilities import whole_stage_problem
+from autopar.capabilities import gemm_padding_problem, whole_stage_problem
 from autopar.cost_models.compute import Efficiency, UnitTime, op_time_s, unit_time
 from autopar.cost_models.context import rank_batch, replicas, unit_exchange_s
 from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_all_to_alls, unit_expert_params
@@ -153,7 +153,9 @@ class Pricing:
         """One rank's passes: under cp, of its share of the micro-batch's positions (`context.rank_batch`)."""
         s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
         compiled = s.compile and (unit.layer_type is not None or whole_stage_problem(s) is None)
-        efficiency = dataclasses.replace(self.efficiency, compiled=True) if compiled else self.efficiency
+        padded = unit.padded_gemms and gemm_padding_problem(s, dtype) is None
+        efficiency = (dataclasses.replace(self.efficiency, compiled=compiled, padded_gemms=padded)
+                      if compiled or padded else self.efficiency)
         key = self.cache.token(("time", gpu.name, dtype, s.microbatch, s.cp, s.tp, s.sp, efficiency))
         return self.cache.get(unit, (key,), lambda: unit_time(unit, gpu, dtype, batch=rank_batch(s), tp=s.tp,
                                                               sp=s.sp, efficiency=efficiency, share=1 / s.cp))
@@ -211,9 +213,11 @@ def part_token(pricing: Pricing, policy: str) -> tuple[str, int]:
     s, cluster = pricing.strategy, pricing.cluster
     # compile: whether the code outside the layers compiles too (`Pricing.timed`)
     compiled = s.compile and whole_stage_problem(s) is None
+    # padding: whether the runtime pads the misaligned linear layers (`Pricing.timed`; pp is not in the key)
+    padded = gemm_padding_problem(s, pricing.facts.precision) is None
     return pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp,
                                 policy, s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
-                                cluster.inter_node, s.compile, compiled))
+                                cluster.inter_node, s.compile, compiled, padded))
 
 
 def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,

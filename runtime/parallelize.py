@@ -36,6 +36,7 @@ from autopar.runtime.data_parallel import GradientBuckets, apply_fsdp, parameter
 from autopar.runtime.tensor_parallel.dtensor import step_context as dtensor_step_context
 from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel, build_expert_groups,
                                              expert_parallel_problem, gather_experts, shard_expert_states)
+from autopar.runtime.gemm_padding import apply_gemm_padding
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.optimizer import build_optimizer
@@ -348,6 +349,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 2. pipeline stage: the modules of this stage only (the whole model when pp=1)
         module = cut.stage_module(model, index, layout.device, shared) if cut else copy.deepcopy(model)
         identities.append({name: id(p) for name, p in module.named_parameters(remove_duplicate=False)})
+        # 2b. misaligned linear layers at an aligned width, outputs sliced back (16-bit, tp = pp = 1)
+        padding = apply_gemm_padding(module, s, precision)
         # 3. tensor / sequence parallel over the tp axis
         if s.tp > 1:
             apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path,
@@ -387,7 +390,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     parallel.context = context
     if compile and whole_stage_problem(s) is None:  # 8b. the whole stage and its loss as one graph
         parallel.forward_loss = compile_forward_loss(modules[0], loss_fn)
-    parallel.optimizations = {**applied_optimizations(model, s, compile), "allocator": allocator}
+    parallel.optimizations = {**applied_optimizations(model, s, compile), "GEMM padding": padding,
+                              "allocator": allocator}
     replicas = layout.gradient_mesh().size()  # dp, or dp x cp: the ranks holding the same weights
     buckets = s.zero == 0 and replicas > 1
     if cut is not None:  # 9. the pipeline schedule over this rank's stages

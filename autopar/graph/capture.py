@@ -37,6 +37,7 @@ from autopar.graph.ir import OpGraph, OpNode, ParamInfo, StepMemory, TensorMeta
 from autopar.graph.kernels import GpuKernels
 from autopar.graph.layers import detect_layer_types
 from autopar.graph.moe import find_moe_layers
+from autopar.graph.paddable import paddable_linears
 from autopar.graph.repeats import expanded_step
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,7 @@ def _graph(model: nn.Module, step: StepTrace, *, precision: str, dtype: torch.dt
         torch_version=torch.__version__,
         moe_layers=find_moe_layers(model, seq),
         attention_calls=step.attention_calls,
+        padded_linears=paddable_linears(model),
     )
 
 

@@ -105,6 +105,9 @@ class OpGraph(BaseModel):
     torch_version: str
     moe_layers: list[MoELayer] = Field(default_factory=list)  # mixture-of-experts layers (`autopar.graph.moe`)
     attention_calls: list[AttentionCall] = Field(default_factory=list)  # `autopar.graph.attention`
+    # linear layers the runtime computes at a padded width under 16-bit precision: path ->
+    # (out_features, padded width) (`autopar.graph.paddable`)
+    padded_linears: dict[str, tuple[int, int]] = Field(default_factory=dict)
 
     # --- totals -------------------------------------------------------------------------------
     @property
