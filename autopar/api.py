@@ -23,6 +23,7 @@ from torch import nn
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph import OpGraph, trace
+from autopar.graph.capture import TwinGraphs, trace_with_twins
 from autopar.models.hints import model_hints
 from autopar.plan_schema import PipelineCapture, Plan
 from autopar import planning_probes
@@ -230,8 +231,8 @@ def plan(
     name = name or type(model).__name__
     say(f"tracing {name} ({precision}" + (f", seq {seq_len}" if seq_len else "") + ") ...")
     started = time.perf_counter()
-    graph, fallback = _capture(model, example_inputs, loss_fn=loss_fn, precision=precision, name=name,
-                               seq_len=seq_len)
+    graph, fallback, twins = _capture(model, example_inputs, loss_fn=loss_fn, precision=precision, name=name,
+                                      seq_len=seq_len)
     if fallback:
         say(f"note: {fallback}")
     say(f"searching {cluster.world_size} GPUs ({len(graph.nodes):,} ops traced in "
@@ -243,7 +244,7 @@ def plan(
                               seq_len) if profile else None
     remember = planning_probes.remembering(probe_cache, model, example_inputs, loss_fn)
     capabilities = planning_probes.capabilities(model, example_inputs, loss_fn, precision, graph, facts, cluster,
-                                                fixed, remember)
+                                                fixed, remember, twins)
     probe = None
     if cluster.world_size > 1 and fixed.get("pp") != 1 and not fallback:  # the cut tried on these inputs
         probe = planning_probes.pipeline_probe(model, example_inputs, loss_fn, remember)
@@ -279,13 +280,15 @@ def _pipeline_capture_note(capture: PipelineCapture) -> str:
     return text
 
 
-def _capture(model: nn.Module, example_inputs: Any, **options) -> tuple[OpGraph, str | None]:
+def _capture(model: nn.Module, example_inputs: Any, **options) -> tuple[OpGraph, str | None, TwinGraphs | None]:
     """The training step's op graph; when the model's own code cannot be traced in training mode (a
     data-dependent branch such as LayerDrop's coin flip), the eval-mode step's, with a note: that
     graph runs every layer without dropout, so it prices an upper bound of the step's work, and
-    only module-level data parallelism and ZeRO are planned from it."""
+    only module-level data parallelism and ZeRO are planned from it. Third: the graphs of the
+    model's shallow twins from the training-mode capture (`capture.TwinGraphs`), or None."""
     try:
-        return trace(model, example_inputs, **options), None
+        graph, twins = trace_with_twins(model, example_inputs, **options)
+        return graph, None, twins
     except CaptureError as error:
         training = {module: module.training for module in model.modules()}
         if not error.in_model_code or not any(training.values()):
@@ -300,7 +303,7 @@ def _capture(model: nn.Module, example_inputs: Any, **options) -> tuple[OpGraph,
             for module, mode in training.items():
                 module.training = mode
     return graph, (f"{reason}; planned from its eval-mode step instead (dropout and layer drop off, every layer "
-                   f"runs): data parallelism and ZeRO only, no tensor or pipeline parallelism")
+                   f"runs): data parallelism and ZeRO only, no tensor or pipeline parallelism"), None
 
 
 def _calibration(path: str | Path, device: str | None, graph: OpGraph, cluster: ClusterSpec, say: Progress,

@@ -14,11 +14,13 @@ from torch import nn
 
 from autopar.cluster import ClusterSpec
 from autopar.graph import OpGraph, trace
+from autopar.graph.capture import TwinGraphs
 from autopar.probe_cache import ProbeCache
 
 
 def capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str, graph: OpGraph, facts,
-                  cluster: ClusterSpec, fixed: dict[str, Any], remember: Remember | None = None):
+                  cluster: ClusterSpec, fixed: dict[str, Any], remember: Remember | None = None,
+                  twins: TwinGraphs | None = None):
     """What the runtime can execute for this model. Tensor parallelism is decided by dry runs of the
     planned placements (runtime.tensor_parallel.realization) when a dry run is possible (one input tensor, a loss):
     DTensor through the model's own forward runs what the module rules refuse or what breaks on
@@ -27,7 +29,8 @@ def capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str,
     under autocast they send the low precision, runtime/tensor_parallel/autocast.py), the search keeps the static
     rules instead of dry-running every layout (seconds each: 5 s → 135 s for gpt3-13b on 64 GPUs).
     A head that reads one token (ViT's classifier) sends less than that ledger says; such a model is
-    priced from dry runs. The probe's answer is `remember`ed (`autopar.probe_cache`)."""
+    priced from dry runs. The probe's answer is `remember`ed (`autopar.probe_cache`). `twins`: the
+    capture's graphs of shallow twins (`capture.TwinGraphs`), so a twin asked is not traced again."""
     from autopar.cost_models.facts import model_facts
     from autopar.graph.twin import twin_answer
     from autopar.runtime.tensor_parallel.realization import capabilities_for
@@ -44,8 +47,9 @@ def capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str,
             """The probe on `asked`: the model, or a shallow twin of it (traced here)."""
             asked_graph, asked_facts, asked_table = graph, facts, table
             if asked is not model:
-                asked_graph = trace(asked, example_inputs, loss_fn=loss_fn, precision=precision,
-                                    name=graph.model_name, seq_len=graph.seq_len)
+                asked_graph = (twins.graph(asked) if twins is not None else None) or trace(
+                    asked, example_inputs, loss_fn=loss_fn, precision=precision, name=graph.model_name,
+                    seq_len=graph.seq_len)
                 asked_facts = model_facts(asked_graph, heads=facts.heads, kv_heads=facts.kv_heads, vocab=facts.vocab)
                 asked_table = capabilities_for(asked)
             asked_dry = dry if asked is model else capabilities_for(asked, inputs[0], loss_fn, precision)

@@ -17,6 +17,7 @@ from torch import nn
 
 import autopar
 from autopar.graph import trace
+from autopar.graph.capture import trace_with_twins
 from autopar.graph.repeats import MIN_BLOCKS, expand_nodes, find_block_stack
 from autopar.models import build_model
 
@@ -230,7 +231,7 @@ def test_plan_of_a_deep_model_is_the_plan_of_its_full_trace(monkeypatch, tmp_pat
                             probe_cache=tmp_path)
 
     expanded = plan()
-    monkeypatch.setattr(api, "trace", lambda *a, **k: trace(*a, expand_repeats=False, **k))
+    monkeypatch.setattr(api, "trace_with_twins", lambda *a, **k: trace_with_twins(*a, expand_repeats=False, **k))
     full = plan()
     assert expanded.graph == full.graph
     assert expanded.plan is not None

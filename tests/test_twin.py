@@ -11,6 +11,7 @@ import autopar.graph.twin as twin
 from autopar.cluster import load_cluster
 from autopar.cost_models.facts import model_facts
 from autopar.graph import trace
+from autopar.graph.capture import trace_with_twins
 from autopar.graph.twin import block_stack, shallow_twin, twin_answer
 from autopar.models import build_model
 from autopar.models.hints import model_hints
@@ -109,3 +110,40 @@ def test_the_tensor_parallel_probe_of_twins_is_the_whole_models(monkeypatch):
         answers.append(table.tp_realization is None)  # None: the static module rules stand
     assert answers == [True, True] and depths == [10, 2, 3]
     assert len(model.layers) == 10  # the model was not cut
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_twin_graphs_from_the_capture_are_the_twins_traced(family):
+    """The tp probe reads each twin's graph from the capture's own traced twin (`capture.TwinGraphs`)
+    instead of tracing the twin again: every field of those graphs equals a trace of the twin; a
+    module that is not a cut of this model gets None (and is traced)."""
+    spec = build_model(family, DEEP_GPT)
+    model, inputs = spec.module, spec.example_inputs(1, 16)
+    options = dict(loss_fn=spec.loss_fn, precision="bf16", name=family, seq_len=16)
+    graph, twins = trace_with_twins(model, inputs, **options)
+    assert twins is not None and graph == trace(model, inputs, **options)
+    for depth in (2, 3, 4, 9):
+        short = shallow_twin(model, depth)
+        assert twins.graph(short) == trace(short, inputs, **options), depth
+    other = build_model(family, DEEP_GPT).module
+    assert twins.graph(model) is None and twins.graph(shallow_twin(other, 3)) is None
+    assert trace_with_twins(model, inputs, expand_repeats=False, **options)[1] is None
+
+
+def test_the_tensor_parallel_probe_traces_no_twin_given_the_captures(monkeypatch):
+    """With the capture's twin graphs the probe answers as before and traces nothing."""
+    spec = build_model("gpt", DEEP_GPT)
+    model, inputs = spec.module, spec.example_inputs(1, 16)
+    graph, twins = trace_with_twins(model, inputs, loss_fn=spec.loss_fn, precision="bf16", name="gpt", seq_len=16)
+    hints = model_hints(model)
+    facts = model_facts(graph, heads=hints["heads"], kv_heads=hints["kv_heads"], vocab=hints["vocab"])
+    cluster = load_cluster("dgx-h100", gpus=4)
+    monkeypatch.setattr(twin, "MIN_BLOCKS_FOR_TWINS", 8)
+    traced = []
+    monkeypatch.setattr(probes, "trace", lambda module, *a, **k: traced.append(module) or trace(module, *a, **k))
+    with_twins = probes.capabilities(model, inputs, spec.loss_fn, "bf16", graph, facts, cluster, {},
+                                     _never_remember, twins)
+    assert traced == []
+    without = probes.capabilities(model, inputs, spec.loss_fn, "bf16", graph, facts, cluster, {}, _never_remember)
+    assert [len(module.layers) for module in traced] == [2, 3]
+    assert with_twins.tp_realization is None and without.tp_realization is None

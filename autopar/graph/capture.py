@@ -38,7 +38,7 @@ from autopar.graph.kernels import GpuKernels
 from autopar.graph.layers import detect_layer_types
 from autopar.graph.moe import find_moe_layers
 from autopar.graph.paddable import paddable_linears
-from autopar.graph.repeats import expanded_step
+from autopar.graph.repeats import TracedTwin, traced_twin
 
 logger = logging.getLogger(__name__)
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,6 +65,24 @@ def trace(
     `expand_repeats`: a deep stack of identical blocks is traced at a few blocks and expanded to its
     depth where that provably gives the full trace (`autopar.graph.repeats`); False traces every block.
     """
+    return trace_with_twins(model, example_inputs, loss_fn=loss_fn, precision=precision, name=name, seq_len=seq_len,
+                            attention=attention, expand_repeats=expand_repeats)[0]
+
+
+def trace_with_twins(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    precision: str = "fp32",
+    name: str | None = None,
+    seq_len: int | None = None,
+    attention: str = "fused",
+    expand_repeats: bool = True,
+) -> tuple[OpGraph, TwinGraphs | None]:
+    """`trace`'s graph, and when it was expanded from a traced twin (`autopar.graph.repeats`), the
+    graphs of the model's shallow twins (`TwinGraphs`) from that same twin, so that probes asked of
+    them need no trace of their own; None when every block was traced."""
     if attention not in ("fused", "math"):
         raise CaptureError(f"unknown attention {attention!r}: use 'fused' or 'math'")
     if precision not in PRECISIONS:
@@ -79,13 +97,61 @@ def trace(
         return _trace_step(module, args, kwargs, loss_fn=loss_fn, dtype=dtype, name=name, attention=attention)
 
     with _gc_paused():
-        step = None
+        twin = None
         if expand_repeats:
-            step, reason = expanded_step(model, trace_step, lambda module, traced: _graph(
+            twin, reason = traced_twin(model, trace_step, lambda module, traced: _graph(
                 module, traced, precision=precision, dtype=dtype, name=name, seq_len=seq_len))
-            if step is None:
+            if twin is None:
                 logger.debug("tracing every block of %s: %s", name, reason)
-        return _graph(model, step or trace_step(model), precision=precision, dtype=dtype, name=name, seq_len=seq_len)
+        graph = _graph(model, twin.full if twin is not None else trace_step(model), precision=precision,
+                       dtype=dtype, name=name, seq_len=seq_len)
+    twins = TwinGraphs(model, twin, dict(precision=precision, dtype=dtype, name=name, seq_len=seq_len)) \
+        if twin is not None else None
+    return graph, twins
+
+
+class TwinGraphs:
+    """The graphs of `twin.shallow_twin(model, depth)`, each the capture's traced twin (blocks 0, 1 and
+    N-1) expanded to `depth` blocks: what tracing the shallow twin gives, on the grounds the model's
+    own graph stands on (its blocks trace alike, checked by `repeats.expanded_step`). `graph` answers
+    None for a module that is not such a twin of `model` (then trace it)."""
+
+    def __init__(self, model: nn.Module, traced: TracedTwin, options: dict[str, Any]) -> None:
+        self.model, self.traced, self.options = model, traced, options
+
+    def graph(self, twin: nn.Module) -> OpGraph | None:
+        """`twin`'s graph when `twin` is `model` with its block stack cut to its first blocks, else None."""
+        depth = _cut_depth(self.model, twin, self.traced.path)
+        if depth is None or not 2 <= depth < self.traced.depth:
+            return None
+        return _graph(twin, self.traced.at_depth(depth), **self.options)
+
+
+def _cut_depth(model: nn.Module, twin: nn.Module, path: str) -> int | None:
+    """How many blocks `twin` keeps when it is `model` with the stack at `path` cut to its first ones
+    (the same modules everywhere else), else None."""
+    try:
+        stack, short = model.get_submodule(path), twin.get_submodule(path)
+    except AttributeError:
+        return None
+    blocks, kept = list(stack._modules.items()), list(short._modules.items())
+    if type(short) is not type(stack) or kept != blocks[:len(kept)]:
+        return None
+    ours = {name: module for name, module in model.named_modules() if not _under(name, path)}
+    theirs = {name: module for name, module in twin.named_modules() if not _under(name, path)}
+    if ours.keys() != theirs.keys() or any(
+            theirs[name] is not module and not _on_path(name, path) for name, module in ours.items()):
+        return None
+    return len(kept)
+
+
+def _under(name: str, path: str) -> bool:
+    return name.startswith(f"{path}.") if path else bool(name)
+
+
+def _on_path(name: str, path: str) -> bool:
+    """Whether module `name` is the stack at `path` or one of its ancestors (the twin copies those)."""
+    return not name or path == name or path.startswith(f"{name}.")
 
 
 @contextlib.contextmanager

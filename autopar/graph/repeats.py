@@ -45,10 +45,33 @@ class NotExpandable(Exception):
     """Why a twin's graph cannot be expanded: the full trace is taken instead."""
 
 
+@dataclasses.dataclass(frozen=True)
+class TracedTwin:
+    """The checked twin's traced step: `step` holds blocks 0, 1 and N-1 of the `depth` blocks at `path`;
+    `full` is it expanded to all `depth`, the model's step."""
+
+    path: str
+    depth: int
+    step: Any
+    full: Any
+
+    def at_depth(self, depth: int) -> Any:
+        """The step with the stack's blocks expanded (or cut) to `depth`: 2 (blocks 0 and N-1's ops) or more."""
+        return _expanded(self.step, self.path, depth)
+
+
 def expanded_step(model: nn.Module, trace_step: Callable[[nn.Module], Any],
                   graph_of: Callable[[nn.Module, Any], Any]) -> tuple[Any | None, str]:
-    """The traced step of `model` from its twin, or (None, why not). `trace_step(module)` traces a
-    module's step (a `capture.StepTrace`), `graph_of(module, step)` makes its OpGraph.
+    """The traced step of `model` from its twin, or (None, why not): see `traced_twin`."""
+    twin, reason = traced_twin(model, trace_step, graph_of)
+    return (twin.full, "") if twin is not None else (None, reason)
+
+
+def traced_twin(model: nn.Module, trace_step: Callable[[nn.Module], Any],
+                graph_of: Callable[[nn.Module, Any], Any]) -> tuple[TracedTwin | None, str]:
+    """The traced twin whose expansion is the traced step of `model`, or (None, why not).
+    `trace_step(module)` traces a module's step (a `capture.StepTrace`), `graph_of(module, step)`
+    makes its OpGraph.
 
     The twin holds blocks 0, 1 and N-1 (the last, with its own state, stays last); the check
     traces blocks 0, N/2, N-2 and N-1, so that blocks from across the stack (holding other layer
@@ -63,7 +86,7 @@ def expanded_step(model: nn.Module, trace_step: Callable[[nn.Module], Any],
         twin_step, probe_step = trace_step(twin), trace_step(probe)
         if graph_of(probe, _expanded(twin_step, path, 4)) != graph_of(probe, probe_step):
             return None, "the twin expanded to 4 blocks differs from blocks 0, N/2, N-2, N-1 traced"
-        return _expanded(twin_step, path, depth), ""
+        return TracedTwin(path, depth, twin_step, _expanded(twin_step, path, depth)), ""
     except NotExpandable as error:
         return None, str(error)
     except Exception as error:  # the twin may fail where the model would not (indexing past its blocks)
