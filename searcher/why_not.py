@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable
 
 from autopar.cluster import ClusterSpec
@@ -109,7 +110,10 @@ def compared_groups(facts: ModelFacts, cluster: ClusterSpec) -> list[Callable[[S
     groups += [{"cp": 1}] + ([{"ep": ep}] if ep is not None else [])
 
     def member_of(degrees: dict[str, int]) -> Callable[[Strategy], bool]:
-        return lambda s: all(getattr(s, k) == v for k, v in degrees.items())
+        # asked of every valid completion (`searcher.bounded`): one attrgetter and one comparison
+        read = attrgetter(*degrees)  # one key: its value; several: a tuple of them
+        wanted = tuple(degrees.values()) if len(degrees) > 1 else next(iter(degrees.values()))
+        return lambda s: read(s) == wanted
     return [member_of(degrees) for degrees in groups] + [lambda s: s.cp > 1]
 
 
