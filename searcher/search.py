@@ -166,7 +166,7 @@ def _search_once(
     # runs them, and Megatron's layout only (the ILP's placements are for autopar's runtime).
     facts = priced_as_run(facts, fixed)
     use_ilp = use_ilp and is_runtime_profile(fixed)
-    capabilities = megatron_checked(capabilities, graph, facts)
+    capabilities = megatron_checked(_placements_checked_once(capabilities), graph, facts)
     cache = CostCache()  # unit costs shared by every evaluation of this search
     if exhaustive:
         quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
@@ -191,6 +191,23 @@ def _search_once(
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,
         ilp_solve_s=refiner.ilp_solve_s, ilp_refused=refiner.ilp_refused, ilp_budgeted=refiner.ilp_budgeted,
     )
+
+
+def _placements_checked_once(capabilities: Capabilities) -> Capabilities:
+    """`capabilities` whose module-rule check of tp placements answers each distinct placements once
+    in this search: the Megatron layout and the ILP's proposals recur across the refined strategies
+    (a check walks every module of the model), and nothing changes the model while it searches."""
+    check = capabilities.check_placements
+    if check is None:
+        return capabilities
+    answers: dict[frozenset, str | None] = {}
+
+    def checked(placements: dict[str, str]) -> str | None:
+        key = frozenset(placements.items())
+        if key not in answers:
+            answers[key] = check(placements)
+        return answers[key]
+    return dataclasses.replace(capabilities, check_placements=checked)
 
 
 def _rank_key(evaluation: Evaluation) -> tuple:
