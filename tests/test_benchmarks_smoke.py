@@ -79,3 +79,15 @@ def test_gpu_suite_runs_on_cpu(tmp_path):
     assert record["op_profile"]["status"] == "ok" and (tmp_path / "gpu_suite_profile.db").exists()
     assert {row["goal"] for row in record["verdicts"]} >= {"no out-of-memory on a plan the searcher accepts"}
     assert "device cpu, torch" in result.stdout and "no out-of-memory on a plan the searcher accepts" in result.stdout
+
+
+def test_compiled_memory_runs_on_cpu():
+    """benchmarks/compiled_memory.py: one tiny GPT block through AOT autograd with both partitioners;
+    inductor's min-cut never keeps more for backward than the default partition."""
+    import re
+
+    result = subprocess.run([sys.executable, "benchmarks/compiled_memory.py", "--model", "gpt", "--batch", "2",
+                             "--seq-len", "64"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    kept = [float(x) for x in re.findall(r"partition[^:]*:\s+([0-9.]+) GiB", result.stdout)]
+    assert len(kept) == 2 and 0 < kept[1] <= kept[0], result.stdout
