@@ -84,3 +84,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """A gloo process group of one process, for `parallelize` in the test's own process."""
+    import torch.distributed as dist
+
+    from parity_harness import _free_port
+
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                            LOCAL_RANK="0").items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

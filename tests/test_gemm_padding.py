@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import autopar
@@ -23,7 +22,6 @@ from autopar.graph.paddable import paddable_linears
 from autopar.models import build_model
 from autopar.plan_schema import Strategy
 from autopar.runtime.gemm_padding import PaddedLinear, apply_gemm_padding
-from parity_harness import _free_port
 
 VOCAB = 2051  # misaligned and wide: padded to 2,176
 CONFIG = f"layers=2,hidden=64,heads=4,vocab={VOCAB},seq_len=16,vocab_multiple=1"
@@ -149,16 +147,6 @@ def test_plans_price_padding_where_the_runtime_pads_it(facts):
     assert padding_transient_bytes(facts, ONE.model_copy(update={"tp": 2})) == 0
     unpadded = dataclasses.replace(facts, units=tuple(dataclasses.replace(u, padded_gemms=False) for u in facts.units))
     assert one.step_time_s < evaluate(unpadded, cluster, ONE, 2).step_time_s
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                            LOCAL_RANK="0").items():
-        monkeypatch.setenv(name, value)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_runtime_pads_the_plans_layers_and_trains_alike(one_process_group, monkeypatch):

@@ -8,14 +8,11 @@ skipped, a shard stepped twice) moves the loss by 1e-3 or more.
 from __future__ import annotations
 
 import copy
-import os
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from autopar.runtime.optimizer import build_optimizer, optimizer_implementation
-from parity_harness import MAX_GRAD_NORM, SEED, _free_port, batches, make_plan, tiny_config
+from parity_harness import MAX_GRAD_NORM, SEED, batches, make_plan, tiny_config
 
 GLOBAL_BATCH, SEQ, STEPS, LR = 4, 16, 4, 1e-2
 
@@ -47,16 +44,6 @@ def _reference(overrides: dict, data: list[torch.Tensor]) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                            LOCAL_RANK="0").items():
-        monkeypatch.setenv(name, value)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_offloaded_states_step_with_fused_host_adamw_like_foreach(one_process_group):
