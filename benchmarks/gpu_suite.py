@@ -64,6 +64,12 @@ PLANS = [
     # losses against the padded row's check the padded-logits mask under inductor
     ("g13-unpadded-compile", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
      "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", True),
+    # a misaligned head as a user's model has it (vocabulary 50,257): padded at runtime (83020cf), and
+    # the same plan with the padding turned off, the what-if the cost model prices both ways
+    ("g13-unpadded-eager", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
+     "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", False),
+    ("g13-unpadded-eager-nopad", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
+     "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8,gemm_padding=false", False),
     ("g13-mb16-full", *GPT13, 16, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=full,microbatch=16", False),
     ("g124-fp32-mb8", "gpt2-124m", None, 1024, 8, "fp32", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", False),
     ("llama-1.5b-mb4", "llama", "layers=16,hidden=2048,heads=16,kv_heads=8,vocab=128256,seq_len=2048", 2048, 4,

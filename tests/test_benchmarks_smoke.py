@@ -91,3 +91,41 @@ def test_compiled_memory_runs_on_cpu():
     assert result.returncode == 0, result.stderr
     kept = [float(x) for x in re.findall(r"partition[^:]*:\s+([0-9.]+) GiB", result.stdout)]
     assert len(kept) == 2 and 0 < kept[1] <= kept[0], result.stdout
+
+
+def test_gpu_diagnose_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_diagnose.py's CPU smoke run: the step's phases are timed, and autograd's
+    gradient accumulation is found once per parameter and micro-batch (2 micro-batches)."""
+    from autopar.models import build_model
+
+    out = tmp_path / "diagnose.json"
+    result = subprocess.run([sys.executable, "benchmarks/gpu_diagnose.py", "--device", "cpu", "--smoke", "--out",
+                             str(out), "--cudnn-attention", "smoke-mb2x2"], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row, again = json.loads(out.read_text())["rows"]
+    assert again["case"] == "smoke-mb2x2@cudnn-attention" and again["status"] == "ok"  # math attention on a CPU
+    assert row["status"] == "ok" and row["case"] == "smoke-mb2x2", row
+    assert set(row["phases_s"]) == {"forward_backward", "sync_gradients", "clip", "optimizer", "zero_grad_and_loss"}
+    assert all(seconds > 0 for seconds in row["phases_s"].values())
+    parameters = len(list(build_model("gpt", "layers=2,hidden=64,heads=4,vocab=257,seq_len=64").module.parameters()))
+    assert row["accumulate_grad"]["count"] == 2 * parameters
+    assert row["kernels"] == 0 and row["busy_s"] == 0  # no device kernels on a CPU
+    assert "Optimizer.step#AdamW.step" in row["labelled"]
+
+
+def test_gpu_diagnose_busy_time_and_kernel_kinds():
+    """The device's busy time is the union of kernel intervals (overlaps counted once); kernels are
+    sorted into kinds by name as torch.profiler reports them on an H100."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_diagnose
+
+    assert gpu_diagnose.busy_s([(20.0, 30.0), (0.0, 10.0), (5.0, 15.0), (6.0, 7.0)]) == 25e-6
+    assert gpu_diagnose.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert gpu_diagnose.kind_of("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm"
+    assert gpu_diagnose.kind_of("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel") == "attention"
+    assert gpu_diagnose.kind_of("triton_per_fused_add_native_layer_norm_0") == "triton"
+    assert gpu_diagnose.kind_of("Memcpy HtoD (Pinned -> Device)") == "copy"
+    assert gpu_diagnose.kind_of("void at::native::(anonymous namespace)::fused_adam_kernel") == "optimizer"
+    assert gpu_diagnose.kind_of("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>") == \
+        "elementwise/other"
