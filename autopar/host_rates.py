@@ -21,8 +21,8 @@ REPEATS = 3
 
 def host_optimizer_params_per_s(params: int = HOST_OPTIMIZER_PARAMS, repeats: int = REPEATS) -> float:
     """Parameters per second this host (all its threads) steps offloaded shards at, as the runtime
-    does (`ParallelModel.train_step`): the gradients' norm and their scaling as foreach kernels
-    (`clip_grad_norm_`, on the host under offload), then torch's fused CPU AdamW
+    does (`ParallelModel.train_step`): the gradients' norm as foreach kernels (`clip_grad_norm_`, on
+    the host under offload), then torch's fused CPU AdamW scaling them in its own pass
     (`runtime.optimizer`). The best of `repeats` steps over eight tensors."""
     shards = [torch.nn.Parameter(torch.randn(params // 8)) for _ in range(8)]
     for shard in shards:
@@ -33,11 +33,14 @@ def host_optimizer_params_per_s(params: int = HOST_OPTIMIZER_PARAMS, repeats: in
 
 
 def host_step(shards: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_norm: float = 1.0) -> None:
-    """Clip the shards' gradients to `max_norm` (one norm, one scaling pass), then step."""
+    """Clip the shards' gradients to `max_norm` as the runtime does under offload: one norm pass, and
+    the scale applied inside the fused step (the runtime's `runtime.optimizer.defer_gradient_scale`;
+    not imported here, below the runtime)."""
     grads = [shard.grad for shard in shards]
     norm = torch.stack(torch._foreach_norm(grads, 2.0)).pow(2).sum().sqrt()
-    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    optimizer.grad_scale = 1.0 / (max_norm / (norm + 1e-6)).clamp(max=1.0)
     optimizer.step()
+    optimizer.grad_scale = None
 
 
 def pcie_bytes_per_s(device: torch.device, size: int = PCIE_BYTES, repeats: int = REPEATS) -> float:

@@ -133,6 +133,11 @@ class Strategy(_Record):
     # `runtime/gemm_padding.py`, where `capabilities.gemm_padding_problem` allows): the runtime's;
     # false prices software that does not pad them. Plans made before it load as true.
     gemm_padding: bool = True
+    # Per micro-batch passes over the weights outside the GEMMs (`cost_models.weight_passes`):
+    # autocast's casts and the gradient accumulation into .grad, as the runtime runs them; false
+    # prices 16-bit model weights with the accumulation fused into the weight-gradient GEMM
+    # (Megatron-LM). Plans made before it load as true.
+    weight_passes: bool = True
     # torch.compile: the whole stage with its loss where `capabilities.whole_stage_problem` allows,
     # else each block (`runtime.compile`); priced as fused elementwise kernels (`cost_models.compute`).
     # A runtime choice, not another software's profile: `autopar run --compile` fixes it.

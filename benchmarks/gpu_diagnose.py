@@ -67,7 +67,10 @@ def device_time_us(event) -> float:
 
 def kernel_summary(events) -> dict:
     """Device kernels of one step by kind, busy and idle time, the longest kernels."""
-    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    # the device timeline also carries the host's labelled regions (record_function: the optimizer
+    # step, FSDP's hooks) as annotations named like them: not kernels
+    labels = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and e.name not in labels]
     by_kind: dict[str, dict] = {}
     by_name: dict[str, list] = {}
     for e in kernels:

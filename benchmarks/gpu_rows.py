@@ -72,15 +72,16 @@ def rows_of(path: Path) -> list[dict]:
 
 def _measured_host(priced: dict) -> dict | None:
     """The host rates gpu_suite measured beside an offload row (`priced_on_this_host`), or None.
-    Files before the rate timed clipping with AdamW (no `host_step` key) timed AdamW alone: the host
-    step adds clipping's 12 bytes per parameter to AdamW's 28 at the rate AdamW moved its bytes."""
+    Each file's rate prices its step as that runtime ran it. Files before the rate timed clipping with
+    AdamW (no `host_step` key) timed AdamW alone, while their runtime clipped with a norm and a scaling
+    pass (12 bytes per parameter) before it: the host step at the rate AdamW moved its 28."""
     if not priced.get("host_optimizer_params_per_s"):
         return None
-    from autopar.cost_models.offload import CPU_ADAM_BYTES_PER_PARAM, HOST_STEP_BYTES_PER_PARAM
+    from autopar.cost_models.offload import CPU_ADAM_BYTES_PER_PARAM
 
     rate = priced["host_optimizer_params_per_s"]
-    if priced.get("host_step") != "clip+adamw":
-        rate *= CPU_ADAM_BYTES_PER_PARAM / HOST_STEP_BYTES_PER_PARAM
+    if priced.get("host_step") is None:
+        rate *= CPU_ADAM_BYTES_PER_PARAM / (CPU_ADAM_BYTES_PER_PARAM + 12)
     return {"host_optimizer_params_per_s": rate, "host_link_bytes_per_s": priced["host_link_bytes_per_s"]}
 
 

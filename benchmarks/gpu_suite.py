@@ -65,7 +65,9 @@ PLANS = [
     ("g13-unpadded-compile", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
      "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", True),
     # a misaligned head as a user's model has it (vocabulary 50,257): padded at runtime (83020cf), and
-    # the same plan with the padding turned off, the what-if the cost model prices both ways
+    # the same plan with the padding turned off, the what-if the cost model prices both ways (the
+    # runtime refuses that plan, so the row runs the padded plan with the padding patched out:
+    # `unpadded_runtime`, a measurement only)
     ("g13-unpadded-eager", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
      "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", False),
     ("g13-unpadded-eager-nopad", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
@@ -140,7 +142,9 @@ def priced_on_this_host(case: tuple, device: str) -> dict:
     result = autopar.plan(spec.module, spec.example_inputs(1, seq_len), cluster=cluster, global_batch=batch,
                           loss_fn=spec.loss_fn, precision=precision, name=model, seq_len=seq_len, strategy=strategy)
     host = {"host_optimizer_params_per_s": cluster.host_optimizer_params_per_s,
-            "host_step": "clip+adamw",  # what the rate times (autopar.host_rates.host_step)
+            # what the rate times (autopar.host_rates.host_step): "clip+adamw" until af063d4 (a scaling
+            # pass, then AdamW), now the norm and AdamW applying the scale
+            "host_step": "norm+adamw",
             "host_link_bytes_per_s": cluster.host_link.bandwidth_bytes_per_s}
     if result.plan is None:
         return {"status": f"refused: {result.no_fit_reason()}", **host}
@@ -206,6 +210,27 @@ def default_allocator(device: str, wanted: bool):
         del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
 
 
+@contextlib.contextmanager
+def unpadded_runtime(wanted: bool):
+    """The runtime with its GEMM padding patched out, for a `gemm_padding=false` row: the what-if
+    plan's price against the step measured without the padding (the runtime runs no such plan)."""
+    if not wanted:
+        yield
+        return
+    import importlib
+
+    capabilities = importlib.import_module("autopar.capabilities")
+    recipe = importlib.import_module("autopar.runtime.parallelize")  # the module (the package exports the function)
+
+    padding, knobs = recipe.apply_gemm_padding, capabilities._RUNTIME_KNOBS
+    recipe.apply_gemm_padding = lambda model, strategy, precision: "off (patched out by the benchmark)"
+    capabilities._RUNTIME_KNOBS = tuple((knob, False if knob == "gemm_padding" else value) for knob, value in knobs)
+    try:
+        yield
+    finally:
+        recipe.apply_gemm_padding, capabilities._RUNTIME_KNOBS = padding, knobs
+
+
 def run_plan(case: tuple, made: dict, device: str, steps: int) -> dict:
     """Measure one plan through autopar's runtime."""
     from autopar.models import build_model
@@ -215,10 +240,11 @@ def run_plan(case: tuple, made: dict, device: str, steps: int) -> dict:
     name, model, config, seq_len, batch, precision, _, compile_ = case
     plan = Plan.from_json(made["plan"])
     spec = build_model(model, config)
+    unpadded = not plan.strategy.gemm_padding
 
     def measure() -> dict:
         free(device)
-        with default_allocator(device, name in DEFAULT_ALLOCATOR_CASES):
+        with default_allocator(device, name in DEFAULT_ALLOCATOR_CASES), unpadded_runtime(unpadded):
             parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=0, precision=precision,
                                    compile=compile_)
         optimizer = parallel.build_optimizer(1e-4)

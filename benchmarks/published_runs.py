@@ -191,6 +191,10 @@ def _profile(row: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     tp_overlap = row.get("tp_overlap")
     profile["tp_overlap"] = bool(tp_overlap) if tp_overlap is not None else (
         _mentions(row, "tp-comm-overlap") and row["tp"] > 1)
+    # Megatron-LM holds 16-bit model weights and accumulates each micro-batch's gradient into an fp32
+    # main gradient (fused into the weight-gradient GEMM since 2022; by a hook in the 2021 scripts,
+    # a pass left unpriced): none of the runtime's per-micro-batch weight passes (`cost_models.weight_passes`)
+    profile["weight_passes"] = bool(row.get("weight_passes", False))
     if row.get("attention") is None:
         notes.append(f"attention {profile['attention']} ({'before' if early else 'after'} FlashAttention, 2022)")
     if dropout is None:

@@ -3,13 +3,13 @@ the floor leaves out.
 
 `evaluate(..., exact=False)` prices a stage's forward as its units' compute plus their tensor-parallel
 collectives plus terms that are never negative (the vocabulary-parallel head's collectives, ZeRO-3's
-exposed gathers, MoE all-to-alls, the context exchange), and its backward likewise plus the recompute;
+exposed gathers, MoE all-to-alls, the context exchange, the per-micro-batch weight passes), and its backward likewise plus the recompute;
 the step is the closed-form pipeline estimate of those stage times (`pipeline.estimated_step_s`, whose
 arithmetic is non-decreasing in every stage time) plus each rank's tail (gradient sync, optimizer step,
 offload copies: never negative). The compute and the tp collectives of a unit do not depend on its
 recompute policy, so the same estimate of the stages without the other terms is a floor under the
 step of the strategy whatever its ZeRO stage, recompute policy and per-stage recompute counts, expert
-parallel degree, cp kind or offload: the searcher skips what cannot rank (`searcher.bounded`).
+parallel degree, cp kind, offload or weight passes (`cost_models.weight_passes`): the searcher skips what cannot rank (`searcher.bounded`).
 Floating point keeps it a floor: each term is summed as `price_stages` sums it, and rounding is monotone.
 
 Likewise a floor under each pipeline rank's peak memory: its model states and buffers with no
@@ -35,7 +35,7 @@ from autopar.cost_models.stage_costs import CostCache, Pricing, part_token, unit
 # The strategy keys the floor does not read: strategies equal but for these share one floor.
 FLOOR_FREE_KEYS = {"zero": 0, "recompute": "none", "recompute_layers": None, "ep": 1, "cp_kind": "ring",
                    "offload": "none", "optimizer_state": "fp32", "optimizer_impl": "fused", "dp_overlap": True,
-                   "zero3_fetch": "unit"}
+                   "zero3_fetch": "unit", "weight_passes": True}
 
 
 def stage_pass_floors_s(pricing: Pricing, stages_units: list[list[Unit]]

@@ -29,6 +29,9 @@ what-if price. The knobs, with what the cost model does with each:
   moments) instead of the runtime's fused kernel (`cost_models.optimizer`).
 - `gemm_padding=false`: misaligned 16-bit linear layers run at their own width, on the fallback
   kernel (`cost_models.compute`), as the runtime did before it padded them (a7ddb44).
+- `weight_passes=false`: no per-micro-batch passes over the weights outside the GEMMs: 16-bit
+  model weights, the gradient accumulation fused into the weight-gradient GEMM (Megatron-LM;
+  `cost_models.weight_passes`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from autopar.cost_models.facts import GemmShape, ModelFacts, OpFacts
 
 RUNTIME_PROFILE: dict[str, Any] = {"attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
                                    "optimizer_state": "fp32", "zero3_fetch": "unit", "optimizer_impl": "fused",
-                                   "gemm_padding": True}
+                                   "gemm_padding": True, "weight_passes": True}
 PROFILE_KEYS = tuple(RUNTIME_PROFILE)
 _MASK_BYTES = 1  # a dropout mask: one bool per element
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

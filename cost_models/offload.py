@@ -29,10 +29,11 @@ TRANSFER_BYTES_PER_PARAM = 4
 # CPU Adam moves what the device's does: read weight, gradient and two moments, write weight and
 # moments (no low-precision copy: the cast happens on the device before the all-gather).
 CPU_ADAM_BYTES_PER_PARAM = 28
-# Gradient clipping runs on the host shards too (the runtime clips before every step): a norm read and
-# a scaling read and write (`cost_models.optimizer`). On this 2-core VM, 2**25 parameters: clipping
-# 22.3 ms beside the fused AdamW's 29.9 ms (torch 2.13, 2 threads).
-HOST_STEP_BYTES_PER_PARAM = CPU_ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM
+# Gradient clipping runs on the host shards too (the runtime clips before every step): a norm read, the
+# scale applied inside the fused CPU AdamW (`cost_models.optimizer`). Before it was (af063d4) a scaling
+# pass read and wrote every gradient as well: on the lent H200's 16-core host the clipping took 1.16 s
+# beside AdamW's 0.72 s for GPT-2.7B (benchmarks/gpu_diagnose.py).
+HOST_STEP_BYTES_PER_PARAM = CPU_ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM["fused"]
 # torch's fused CPU AdamW (fp32) moves its 28 bytes per parameter at 1.7 (one thread) to 2.1 (two
 # threads) times the rate a plain tensor copy reaches on the same sizes, 2**25 parameters
 # (benchmarks/cpu_adam_rate.py --implementation fused on this 2-core VM; the foreach step, which the

@@ -27,6 +27,7 @@ from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_
 from autopar.cost_models.facts import ModelFacts, OpFacts, Unit
 from autopar.cost_models.memory import gradients_sharded, state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
+from autopar.cost_models.weight_passes import weight_pass_bytes
 
 
 class CostCache:
@@ -358,6 +359,8 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
             forward_comm += sum(times * pricing.tp_time_s(kind, size) for kind, size, times in
                                 vocab_parallel_head_collectives(s, pricing.facts.precision, pricing.facts.seq_len,
                                                                 pricing.vocab))
+        passes_forward, passes_backward = _weight_passes_s(pricing, sums)
+        forward, backward = forward + passes_forward, backward + passes_backward
         zero3_forward, zero3_backward = _zero3_exposed_s(pricing, units, policies, forward, backward)
         stage_costs.append(StageCost(
             index, rank, sums.names, forward + forward_comm + zero3_forward + ep_forward + cp_forward,
@@ -416,6 +419,15 @@ def _stage_sums(pricing: Pricing, units: Sequence[Unit], index: int, tokens: dic
         transient_bytes=max((p.transient_bytes for p in parts), default=0.0),
         recomputed_layers=sum(policy != "none" for policy in policies),
         backward_weight_s=sum(pricing.timed(unit).backward_weight_s for unit in units))
+
+
+def _weight_passes_s(pricing: Pricing, sums: _StageSums) -> tuple[float, float]:
+    """One micro-batch's passes over the stage's weights outside its GEMMs (`cost_models.weight_passes`):
+    (forward, backward), on the HBM roofline."""
+    recomputed = sum(held for held, policy in zip(sums.held, sums.policies) if policy == "full")
+    moved = weight_pass_bytes(sum(sums.held), recomputed, pricing.strategy, pricing.facts.precision)
+    bandwidth = pricing.cluster.gpu.hbm_bandwidth_bytes_per_s * pricing.efficiency.memory
+    return moved[0] / bandwidth, moved[1] / bandwidth
 
 
 def _context_exchange_s(pricing: Pricing, units: Sequence[Unit], policies: Sequence[str]) -> tuple[float, float]:

@@ -39,7 +39,7 @@ from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel
 from autopar.runtime.gemm_padding import apply_gemm_padding
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
-from autopar.runtime.optimizer import build_optimizer
+from autopar.runtime.optimizer import build_optimizer, clear_gradient_scale, defer_gradient_scale
 from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
                                                retie_across_stages, tied_gradient_groups)
 from autopar.runtime.precision import autocast, fsdp_policy
@@ -163,10 +163,12 @@ class ParallelModel:
             if grad is not None:
                 dist.all_reduce(_local_value(grad), group=group)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
         """Global gradient norm over every shard and stage (one scalar all-reduce), then clip. Norms and
         scaling run as foreach kernels over the gradients that count alike (a few launches, not four
-        per parameter: a launch-bound step pays for each)."""
+        per parameter: a launch-bound step pays for each). With a fused `optimizer` the scaling is
+        its next step's instead (`runtime.optimizer.defer_gradient_scale`): one pass over every
+        gradient fewer."""
         tied = {name: len(ranks) for name, _, ranks in self.tied_groups}
         groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
         seen: set[int] = set()  # a weight two of this rank's stages share (zbv's embedding and head): once
@@ -196,8 +198,10 @@ class ParallelModel:
         norm = squares.sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for (_, device, _), locals_ in groups.items():
-                torch._foreach_mul_(locals_, scale.to(device))
+            devices = {device for _, device, _ in groups}
+            if not defer_gradient_scale(optimizer, scale, devices):
+                for (_, device, _), locals_ in groups.items():
+                    torch._foreach_mul_(locals_, scale.to(device))
         return norm
 
     def _stage_size(self) -> int:
@@ -221,8 +225,9 @@ class ParallelModel:
         loss_sum = self.forward_backward(rows)
         self.sync_gradients()
         if max_grad_norm > 0:
-            self.clip_grad_norm_(max_grad_norm)
+            self.clip_grad_norm_(max_grad_norm, optimizer)
         optimizer.step()
+        clear_gradient_scale(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return self.global_loss(loss_sum)
 

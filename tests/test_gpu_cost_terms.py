@@ -36,7 +36,8 @@ def padded():
 def test_optimizer_step_bytes_are_torchs_passes():
     assert step_bytes_per_param("fused", clip=False) == 28  # read w, g, m, v; write w, m, v
     assert step_bytes_per_param("foreach", clip=False) == 84  # eight foreach passes
-    assert step_bytes_per_param("fused") == 28 + 12  # clipping: a norm read, a scaling read and write
+    assert step_bytes_per_param("fused") == 28 + 4  # clipping: a norm read; the fused step applies the scale
+    assert step_bytes_per_param("foreach") == 84 + 12  # and before a foreach step, a scaling read and write
     assert step_bytes_per_param("fused", "bf16", clip=False) == 20
     assert step_bytes_per_param("foreach", "bf16", clip=False) == 84 - 16
 
@@ -47,8 +48,8 @@ def test_the_optimizer_time_is_its_bytes_over_the_hbm(padded):
     fused = evaluate(padded, cluster, s, 2).breakdown["optimizer"]
     foreach = evaluate(padded, cluster, s.model_copy(update={"optimizer_impl": "foreach"}), 2).breakdown["optimizer"]
     bandwidth = cluster.gpu.hbm_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.memory
-    assert fused == pytest.approx(padded.num_params * 40 / bandwidth, rel=1e-6)
-    assert foreach - fused == pytest.approx(padded.num_params * 56 / bandwidth, rel=1e-6)
+    assert fused == pytest.approx(padded.num_params * 32 / bandwidth, rel=1e-6)
+    assert foreach - fused == pytest.approx(padded.num_params * 64 / bandwidth, rel=1e-6)
 
 
 def test_a_misaligned_16_bit_gemm_runs_at_the_fallback_fraction():
@@ -98,3 +99,31 @@ def test_compile_fuses_the_whole_stage_or_only_the_blocks(padded):
                        for u in padded.units if u.layer_type is not None for op in u.forward_ops + u.backward_ops
                        if op.kind == "vector")
     assert eager3 - blocks == pytest.approx(layer_vector * COMPILE_FUSED_FRACTION, rel=1e-6)
+
+
+def test_per_micro_batch_weight_passes_are_their_bytes_over_the_hbm(padded):
+    """Autocast over fp32 weights casts each weight forward (6 B per parameter) and its gradient back
+    (6 B) every micro-batch; micro-batches after the first add their gradients into .grad (12 B);
+    a fully recomputed layer casts again. `weight_passes=false` (Megatron-LM) moves none of it."""
+    cluster = load_cluster("dgx-h100", gpus=1)
+    bandwidth = cluster.gpu.hbm_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.memory
+    params = padded.num_params
+
+    def compute_s(**fields):
+        s = Strategy(dp=1, tp=1, pp=1, microbatch=1, **fields)
+        return evaluate(padded, cluster, s, s.num_microbatches).breakdown
+
+    def without(**fields):
+        return compute_s(weight_passes=False, **fields)
+
+    one, one_off = compute_s(num_microbatches=1), without(num_microbatches=1)
+    assert one["compute"] - one_off["compute"] == pytest.approx(params * 12 / bandwidth, rel=1e-6)
+    four, four_off = compute_s(num_microbatches=4), without(num_microbatches=4)
+    assert four["compute"] - four_off["compute"] == pytest.approx(params * (4 * 12 + 3 * 12) / bandwidth, rel=1e-6)
+    full, full_off = compute_s(num_microbatches=1, recompute="full"), without(num_microbatches=1, recompute="full")
+    layers = sum(u.params for u in padded.units if u.layer_type is not None)
+    step = full["compute"] + full["recompute"] - full_off["compute"] - full_off["recompute"]
+    assert step == pytest.approx((params * 12 + layers * 6) / bandwidth, rel=1e-6)
+    zero3 = compute_s(num_microbatches=4, zero=3)  # bf16 shards gathered by FSDP2: no autocast casts
+    zero3_off = without(num_microbatches=4, zero=3)
+    assert zero3["compute"] - zero3_off["compute"] == pytest.approx(params * 3 * 12 / bandwidth, rel=1e-6)

@@ -72,8 +72,8 @@ def test_offload_time_is_the_pcie_copies_and_the_cpu_adam_step(small_facts):
     moved = evaluate(small_facts, cluster, _strategy(offload="optimizer"), 8)
     shard = small_facts.num_params / 2
     per_gpu_host_bandwidth = 614.4e9 / 2  # DDR5 of both Xeon 8480C sockets, shared by the node's 2 GPUs
-    # AdamW's 28 bytes per parameter and the clipping's 12 (a norm read, a scaling read and write)
-    cpu_step = shard * (28 + 12) / (per_gpu_host_bandwidth * offload_cost_model.CPU_ADAM_EFFICIENCY)
+    # AdamW's 28 bytes per parameter and the clipping's norm read, 4 (the fused step applies the scale)
+    cpu_step = shard * (28 + 4) / (per_gpu_host_bandwidth * offload_cost_model.CPU_ADAM_EFFICIENCY)
     copy = shard * 4 / (63.0e9 * 0.70) + 10e-6  # one shard over PCIe Gen5 x16 at its measured share
     forward = sum(stage.forward_s for stage in moved.stages)
     backward = sum(stage.backward_s for stage in moved.stages)
@@ -282,6 +282,9 @@ def test_gpu_rows_prices_an_offload_row_on_the_host_it_ran_on(tmp_path, monkeypa
     assert cluster.host_optimizer_params_per_s == pytest.approx(2e9 * 28 / 40)
     assert cluster.host_link.effective_bandwidth_bytes_per_s == 20e9
     row["predicted_on_this_host"]["host_step"] = "clip+adamw"  # the suite's rate since a075975
+    path.write_text(json.dumps({"plans": [row]}))
+    assert gpu_rows._cluster(gpu_rows.rows_of(path)[0]["host"]).host_optimizer_params_per_s == 2e9
+    row["predicted_on_this_host"]["host_step"] = "norm+adamw"  # since the fused step applies the clip's scale
     path.write_text(json.dumps({"plans": [row]}))
     assert gpu_rows._cluster(gpu_rows.rows_of(path)[0]["host"]).host_optimizer_params_per_s == 2e9
     assert unmeasured["host"] is None and gpu_rows._cluster(None).host_optimizer_params_per_s is None

@@ -63,3 +63,45 @@ def test_offloaded_states_step_with_fused_host_adamw_like_foreach(one_process_gr
     assert parallel.optimizations["allocator"] == "not applied (not a CUDA device)"
     losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(overrides, data)), rtol=1e-5, atol=0)
+
+
+def test_clipping_scale_deferred_to_the_fused_step_matches_scaling_first():
+    """The clip's scale handed to the fused AdamW (`defer_gradient_scale`) gives the parameters and
+    gradients of scaling the gradients first; foreach steps scale themselves; a later step without
+    clipping does not reuse the scale."""
+    from autopar.runtime.optimizer import clear_gradient_scale, defer_gradient_scale
+
+    torch.manual_seed(0)
+    start = [torch.randn(33, 7) for _ in range(3)]
+    grads = [torch.randn(33, 7) * 3 for _ in range(3)]
+
+    def params():
+        made = [torch.nn.Parameter(w.clone()) for w in start]
+        for param, grad in zip(made, grads):
+            param.grad = grad.clone()
+        return made
+
+    scale = torch.tensor(0.3)
+    scaled_first, deferred = params(), params()
+    torch._foreach_mul_([p.grad for p in scaled_first], scale)
+    reference = build_optimizer(scaled_first, LR, offload="optimizer")
+    reference.step()
+    optimizer = build_optimizer(deferred, LR, offload="optimizer")
+    assert defer_gradient_scale(optimizer, scale, {torch.device("cpu")})
+    optimizer.step()
+    clear_gradient_scale(optimizer)
+    for ours, theirs in zip(deferred, scaled_first):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+        torch.testing.assert_close(ours.detach(), theirs.detach())
+    before = [p.detach().clone() for p in deferred]
+    for param, grad in zip(deferred, grads):
+        param.grad = grad.clone()
+    for param, grad in zip(scaled_first, grads):
+        param.grad = grad.clone()
+    optimizer.step()  # unclipped: the whole gradients
+    reference.step()
+    for ours, theirs, old in zip(deferred, scaled_first, before):
+        torch.testing.assert_close(ours.detach(), theirs.detach())
+        assert not torch.equal(ours.detach(), old)
+    foreach = build_optimizer(params(), LR)
+    assert not foreach.defaults["fused"] and not defer_gradient_scale(foreach, scale, {torch.device("cpu")})
