@@ -68,9 +68,9 @@ def device_time_us(event) -> float:
 def kernel_summary(events) -> dict:
     """Device kernels of one step by kind, busy and idle time, the longest kernels."""
     # the device timeline also carries the host's labelled regions (record_function: the optimizer
-    # step, FSDP's hooks) as annotations named like them: not kernels
-    labels = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU}
-    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and e.name not in labels]
+    # step, FSDP's hooks) as user annotations: not kernels (at 0621687 this dropped every kernel named
+    # like its host-side launch too, inductor's triton kernels: that file's compiled row lacks them)
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation]
     by_kind: dict[str, dict] = {}
     by_name: dict[str, list] = {}
     for e in kernels:
@@ -107,13 +107,19 @@ def host_summary(events) -> dict:
 
 def phase_times(parallel, ids: torch.Tensor, optimizer, device: str, steps: int) -> dict:
     """Mean seconds of each part of `train_step`, a synchronization after each part."""
+    from autopar.runtime.optimizer import clear_gradient_scale
+
     parts = {"forward_backward": [], "sync_gradients": [], "clip": [], "optimizer": [], "zero_grad_and_loss": []}
     for _ in range(steps):
         gpu_suite.synchronize(device)
         marks = [time.perf_counter()]
         loss_sum = parallel.forward_backward(parallel.local_batch(ids))
-        for act in (lambda: None, parallel.sync_gradients, lambda: parallel.clip_grad_norm_(1.0), optimizer.step,
-                    lambda: (optimizer.zero_grad(set_to_none=True), parallel.global_loss(loss_sum))):
+        # the clip hands its scale to a fused optimizer as train_step's does (at 0621687 it did not here:
+        # that file's clip phase includes a scaling pass train_step no longer makes)
+        for act in (lambda: None, parallel.sync_gradients, lambda: parallel.clip_grad_norm_(1.0, optimizer),
+                    optimizer.step,
+                    lambda: (clear_gradient_scale(optimizer), optimizer.zero_grad(set_to_none=True),
+                             parallel.global_loss(loss_sum))):
             act()
             gpu_suite.synchronize(device)
             marks.append(time.perf_counter())

@@ -57,7 +57,8 @@ def rows_of(path: Path) -> list[dict]:
         else:
             if row.get("compile"):
                 fixed["compile"] = "true"
-            if "GEMM padding" not in row.get("optimizations", {}):  # ran before the runtime padded misaligned layers
+            # ran before the runtime padded misaligned layers, or with the padding patched out (the what-if row)
+            if "GEMM padding" not in row.get("optimizations", {}) or strategy.get("gemm_padding") is False:
                 fixed["gemm_padding"] = "false"
         rows.append({"source": path.name, "case": row["case"], "status": "ok", "model": row["model"],
                      "model_config": config, "seq_len": row["seq_len"], "global_batch": row["global_batch"],
