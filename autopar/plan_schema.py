@@ -128,7 +128,9 @@ class Strategy(_Record):
     # The optimizer step's kernels: "fused", torch's fused AdamW (the runtime's, on CUDA), or "foreach",
     # torch's default (its multi-tensor passes; `cost_models.optimizer`). Added with schema version
     # 1's plans loading as "fused".
-    optimizer_impl: Literal["fused", "foreach"] = "fused"
+    # "apex": one fused kernel like torch's, with the clip's scaling a pass of its own before it (apex's
+    # FusedAdam and multi-tensor scale, as Megatron-LM and DeepSpeed run them; a what-if).
+    optimizer_impl: Literal["fused", "foreach", "apex"] = "fused"
     # Misaligned linear layers computed at an aligned width (`autopar.graph.paddable`,
     # `runtime/gemm_padding.py`, where `capabilities.gemm_padding_problem` allows): the runtime's;
     # false prices software that does not pad them. Plans made before it load as true.

@@ -191,10 +191,14 @@ def _profile(row: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     tp_overlap = row.get("tp_overlap")
     profile["tp_overlap"] = bool(tp_overlap) if tp_overlap is not None else (
         _mentions(row, "tp-comm-overlap") and row["tp"] > 1)
-    # Megatron-LM holds 16-bit model weights and accumulates each micro-batch's gradient into an fp32
-    # main gradient (fused into the weight-gradient GEMM since 2022; by a hook in the 2021 scripts,
-    # a pass left unpriced): none of the runtime's per-micro-batch weight passes (`cost_models.weight_passes`)
+    # The published software holds 16-bit model weights (no per-micro-batch casts). Megatron-LM adds
+    # each micro-batch's gradient into an fp32 main gradient inside the weight-gradient GEMM
+    # (gradient-accumulation fusion); its 2021 scripts did it in a hook, a pass left unpriced here.
+    # The ZeRO-3 rows (DeepSpeed) run one micro-batch per step. So none of the runtime's
+    # per-micro-batch weight passes apply (`cost_models.weight_passes`).
     profile["weight_passes"] = bool(row.get("weight_passes", False))
+    # apex's FusedAdam, the clip's multi-tensor scale a pass of its own (`cost_models.optimizer`)
+    profile["optimizer_impl"] = row.get("optimizer_impl", "apex")
     if row.get("attention") is None:
         notes.append(f"attention {profile['attention']} ({'before' if early else 'after'} FlashAttention, 2022)")
     if dropout is None:

@@ -26,7 +26,8 @@ what-if price. The knobs, with what the cost model does with each:
   forward fetches again; the device holds a module's tensors at a time, not a layer's
   (`cost_models.stage_costs`, `cost_models.memory`).
 - `optimizer_impl=foreach`: torch's default AdamW (multi-tensor passes, a temporary the size of the
-  moments) instead of the runtime's fused kernel (`cost_models.optimizer`).
+  moments) instead of the runtime's fused kernel (`cost_models.optimizer`); `optimizer_impl=apex`:
+  a fused kernel with the clip's scaling as a pass of its own (apex's FusedAdam: Megatron-LM, DeepSpeed).
 - `gemm_padding=false`: misaligned 16-bit linear layers run at their own width, on the fallback
   kernel (`cost_models.compute`), as the runtime did before it padded them (a7ddb44).
 - `weight_passes=false`: no per-micro-batch passes over the weights outside the GEMMs: 16-bit

@@ -11,6 +11,8 @@ pass in torch's own code (torch/optim/adam.py at 2.13; AdamW is Adam with decoup
 - Gradient clipping (the runtime's `clip_grad_norm_`): foreach norms read every gradient (4 bytes);
   the fused step then applies the scale in its own kernel (`runtime.optimizer.defer_gradient_scale`),
   while before a foreach step a scaling pass reads and writes every gradient (8 more): 4 and 12.
+- `apex` (a what-if: apex's FusedAdam, Megatron-LM's and DeepSpeed's optimizer): the fused kernel's
+  28 bytes, with the clip's 12 (its multi-tensor scale is a pass of its own).
 Bf16 moments (`optimizer_state=bf16`) move 2 bytes less per moment access: 4 accesses fused, 8
 foreach. Checked, not fitted: on an H100 (3.35 TB/s at η_memory 0.85) foreach − fused for GPT-1.3B
 (1.316e9 parameters) is (84 − 28) bytes x 1.316e9 / 2.85e12 = 25.9 ms, measured 26.6 ms (vocabulary
@@ -19,11 +21,11 @@ foreach. Checked, not fitted: on an H100 (3.35 TB/s at η_memory 0.85) foreach �
 
 from __future__ import annotations
 
-STEP_BYTES_PER_PARAM = {"fused": 28, "foreach": 84}
-MOMENT_ACCESSES = {"fused": 4, "foreach": 8}
-CLIP_BYTES_PER_PARAM = {"fused": 4, "foreach": 12}
+STEP_BYTES_PER_PARAM = {"fused": 28, "foreach": 84, "apex": 28}
+MOMENT_ACCESSES = {"fused": 4, "foreach": 8, "apex": 4}
+CLIP_BYTES_PER_PARAM = {"fused": 4, "foreach": 12, "apex": 12}
 # foreach's `sqrt` list: one fp32 tensor per parameter, alive through the step's last passes.
-TEMPORARY_BYTES_PER_PARAM = {"fused": 0, "foreach": 4}
+TEMPORARY_BYTES_PER_PARAM = {"fused": 0, "foreach": 4, "apex": 0}
 
 
 def step_bytes_per_param(implementation: str = "fused", optimizer_state: str = "fp32", clip: bool = True) -> float:

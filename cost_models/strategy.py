@@ -15,7 +15,7 @@ _SWITCHES = ("sp", "dp_overlap", "tp_overlap", "compile", "gemm_padding", "weigh
 _CHOICES = {"recompute": ("none", "selective", "full"),
             "schedule": ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv"),
             "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16"), "zero3_fetch": ("unit", "parameter"),
-            "offload": ("none", "optimizer"), "cp_kind": ("ring", "ulysses"), "optimizer_impl": ("fused", "foreach")}
+            "offload": ("none", "optimizer"), "cp_kind": ("ring", "ulysses"), "optimizer_impl": ("fused", "foreach", "apex")}
 
 
 def parse_strategy(text: str | None) -> dict[str, Any]:

@@ -38,6 +38,7 @@ def test_optimizer_step_bytes_are_torchs_passes():
     assert step_bytes_per_param("foreach", clip=False) == 84  # eight foreach passes
     assert step_bytes_per_param("fused") == 28 + 4  # clipping: a norm read; the fused step applies the scale
     assert step_bytes_per_param("foreach") == 84 + 12  # and before a foreach step, a scaling read and write
+    assert step_bytes_per_param("apex") == 28 + 12  # a fused kernel, the clip's scaling a pass of its own
     assert step_bytes_per_param("fused", "bf16", clip=False) == 20
     assert step_bytes_per_param("foreach", "bf16", clip=False) == 84 - 16
 
