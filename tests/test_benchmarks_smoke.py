@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -129,3 +131,26 @@ def test_gpu_diagnose_busy_time_and_kernel_kinds():
     assert gpu_diagnose.kind_of("void at::native::(anonymous namespace)::fused_adam_kernel") == "optimizer"
     assert gpu_diagnose.kind_of("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>") == \
         "elementwise/other"
+
+
+def test_gpu_suite_runs_a_what_if_row_with_the_padding_patched_out(one_process_group):
+    """gpu_suite's `gemm_padding=false` row: the runtime refuses that plan, so the suite runs it with the
+    padding patched out (and puts it back after); the losses equal the padded row's, as padding leaves
+    them unchanged."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_suite
+
+    import autopar.capabilities as capabilities
+
+    config = "layers=1,hidden=64,heads=4,vocab=1025,seq_len=32,vocab_multiple=1"
+    fixed = "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=2"
+    padded = ("padded", "gpt", config, 32, 2, "bf16", fixed, False)
+    unpadded = ("unpadded", "gpt", config, 32, 2, "bf16", fixed + ",gemm_padding=false", False)
+    made = gpu_suite.make_plans([padded, unpadded], lambda line: None)
+    knobs = capabilities._RUNTIME_KNOBS
+    runs = [gpu_suite.run_plan(case, made[case[0]], "cpu", 2) for case in (unpadded, padded)]
+    assert capabilities._RUNTIME_KNOBS == knobs  # restored
+    assert [run["status"] for run in runs] == ["ok", "ok"], runs
+    assert runs[0]["optimizations"]["GEMM padding"] == "off (patched out by the benchmark)"
+    assert runs[1]["optimizations"]["GEMM padding"].startswith("head 1,025 -> 1,152")
+    assert runs[0]["losses"] == pytest.approx(runs[1]["losses"], rel=1e-6)
