@@ -40,3 +40,44 @@ def test_stage_orders_are_rank_orders_with_virtual_stages(schedule, pp, m, vp):
         expected = [(kind, chunk * pp + rank, mb) for kind, chunk, mb in rank_order(schedule, rank, pp, m, vp)]
         assert list(order) == expected
     assert _stage_orders(schedule, pp, m, vp) is orders  # computed once per shape
+
+
+MOE = "layers=4,hidden=128,heads=4,kv_heads=2,vocab=512,seq_len=128,moe_experts=8,moe_top_k=2"
+LONG = "layers=2,hidden=64,heads=8,kv_heads=8,vocab=96,seq_len=16384"
+
+
+@pytest.mark.parametrize("config, gpus, batch, fixed", [
+    (MOE, 16, 32, {}),  # ep and every schedule, free
+    (MOE, 16, 32, {"pp": 2, "schedule": "zbv", "zero": 1}),
+    (LONG, 16, 16, {}),  # cp offered
+    (LONG, 16, 16, {"cp": 4, "cp_kind": "ulysses", "tp": 2}),
+    (MOE, 16, 32, {"tp": 2, "recompute_layers": (1, 1)}),  # counts as given: drafts allowed
+    (MOE, 16, 32, {"recompute_layers": 1, "pp": 2}),  # a count the enumeration converts: built as before
+    (MOE, 16, 32, {"dropout": 0.1, "attention": "math"}),  # another software's profile: built as before
+    (MOE, 16, 32, {"vp": 0, "pp": 2}),  # a value the schema refuses: no completion
+    (MOE, 16, 32, {"tp": True}),  # a value the schema would convert (True -> 1): built as before
+])
+def test_drafts_give_the_valid_strategies_building_each_completion_gives(zoo_trace, monkeypatch, config, gpus,
+                                                                         batch, fixed):
+    """`valid_strategies` through drafts (`searcher.drafts`) and through a Strategy per completion: the same
+    strategies (fields set included), count and rejections, or the same error."""
+    import autopar.searcher.candidates as candidates
+    from autopar.capabilities import RUNTIME_CAPABILITIES
+    from autopar.cluster import load_cluster
+    from autopar.errors import AutoparError
+
+    family = "gpt" if config == LONG else "llama"
+    _, _, facts = zoo_trace(family, config, batch=1)
+    cluster = load_cluster("dgx-h100", gpus=gpus)
+
+    def answer():
+        try:
+            valid, count, rejected = candidates.valid_strategies(facts, cluster, fixed, batch, layers=4,
+                                                                 supports=RUNTIME_CAPABILITIES.supports)
+        except AutoparError as error:
+            return str(error)
+        return [(s, s.model_fields_set) for s in valid], count, rejected
+
+    drafted = answer()
+    monkeypatch.setattr(candidates, "drafts_allowed", lambda *_: False)
+    assert drafted == answer()
