@@ -24,6 +24,7 @@ from autopar.plan_schema import Strategy
 
 _FIELDS = Strategy.model_fields
 _DEFAULTS = {name: info.default for name, info in _FIELDS.items() if not info.is_required()}
+_REQUIRED = _FIELDS.keys() - _DEFAULTS.keys()
 
 
 @lru_cache(maxsize=None)
@@ -52,7 +53,12 @@ def drafts_allowed(fixed: dict[str, Any], world_size: Any, global_batch: Any) ->
 def draft(values: dict[str, Any]) -> SimpleNamespace | None:
     """The completion `values` as a namespace with the schema's defaults filled in, or None when the
     schema's model validator refuses it (as `Strategy(**values)` would)."""
-    namespace = SimpleNamespace(**{**_DEFAULTS, **values})
+    if values.keys() == _FIELDS.keys():  # every field given (the enumeration gives them all)
+        namespace = SimpleNamespace(**values)
+    elif _REQUIRED <= values.keys() <= _FIELDS.keys():
+        namespace = SimpleNamespace(**{**_DEFAULTS, **values})
+    else:  # a required field missing, or a key the schema does not have: Strategy(**values) raises
+        return None
     try:
         Strategy._consistent(namespace)
     except ValueError:
