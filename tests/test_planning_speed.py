@@ -81,3 +81,24 @@ def test_drafts_give_the_valid_strategies_building_each_completion_gives(zoo_tra
     drafted = answer()
     monkeypatch.setattr(candidates, "drafts_allowed", lambda *_: False)
     assert drafted == answer()
+
+
+def test_the_ilp_reads_one_index_per_graph(zoo_trace):
+    """`intra_op._graph_index`: built once per graph and equal to a fresh build; a copy of the graph
+    (another object) gets its own, and a graph's index goes when the graph does."""
+    import gc as collector
+
+    from autopar.searcher import intra_op
+
+    _, graph, _ = zoo_trace("gpt", "layers=2,hidden=64,heads=4,vocab=100,seq_len=32", batch=1)
+    first = intra_op._graph_index(graph)
+    assert intra_op._graph_index(graph) is first
+    by_name, params, consumers = first
+    assert list(by_name) == [node.name for node in graph.nodes] and list(params) == [p.name for p in graph.params]
+    assert all(name in intra_op.input_names(node) for name, readers in consumers.items() for node in readers)
+    copy = graph.model_copy(deep=True)
+    assert intra_op._graph_index(copy) is not first and intra_op._graph_index(copy) == first
+    key = id(copy)
+    del copy
+    collector.collect()
+    assert key not in intra_op._GRAPH_INDEXES
