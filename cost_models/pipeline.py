@@ -76,13 +76,20 @@ def simulate(
     stages = pp * vp
     assert len(forward_s) == len(backward_s) == stages
     weights = stage_weight or [1.0] * stages
-    orders = [
-        [(kind, chunk * pp + rank, mb) for kind, chunk, mb in rank_order(schedule, rank, pp, num_microbatches, vp)]
-        for rank in range(pp)
-    ]
-    return run_passes(orders, lambda kind, stage: forward_s[stage] if kind == "F" else backward_s[stage],
+    return run_passes(_stage_orders(schedule, pp, num_microbatches, vp),
+                      lambda kind, stage: forward_s[stage] if kind == "F" else backward_s[stage],
                       lambda kind, stage, mb, done: _ready_time(kind, stage, mb, stages, pp, done, p2p_s),
                       weights, "B", f"schedule {schedule} deadlocked (pp={pp}, vp={vp}, m={num_microbatches})")
+
+
+@lru_cache(maxsize=256)
+def _stage_orders(schedule: str, pp: int, num_microbatches: int, vp: int
+                  ) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Per rank, its passes as (kind, virtual stage, micro-batch): `rank_order` with chunks made stages.
+    Kept per schedule shape, since the search simulates the same shape under many stage times."""
+    return tuple(tuple((kind, chunk * pp + rank, mb) for kind, chunk, mb in rank_order(schedule, rank, pp,
+                                                                                       num_microbatches, vp))
+                 for rank in range(pp))
 
 
 def _ready_time(kind: str, stage: int, mb: int, stages: int, pp: int, done: dict, p2p_s: float) -> float | None:

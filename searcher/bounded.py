@@ -17,6 +17,7 @@ search's answer is the one the full ranking gives (tests/test_bounded_search.py 
 from __future__ import annotations
 
 import bisect
+from operator import attrgetter
 from typing import Any, Callable
 
 from autopar.cluster import ClusterSpec
@@ -77,8 +78,9 @@ def _floors(facts: ModelFacts, cluster: ClusterSpec, strategies: list[Strategy],
     stages_of: dict[int, list] = {}
     shared: dict[tuple, float] = {}
     floors = []
+    floor_key = attrgetter(*_FLOOR_FIELDS)  # the fields the floor reads, in one call per strategy
     for s in strategies:
-        key = tuple(getattr(s, name) for name in _FLOOR_FIELDS)
+        key = floor_key(s)
         if key not in shared:
             count = s.pp * s.vp
             if count not in stages_of:

@@ -25,6 +25,7 @@ from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.implementation import RUNTIME_PROFILE, as_run, is_runtime_profile, profile_of
 from autopar.cost_models.stage_costs import CostCache
 from autopar.cost_models.strategy import check_fixed_degrees, check_strategy, standalone_ends
+from autopar.searcher.drafts import draft, drafts_allowed
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 VP_CHOICES = (2, 3, 4, 6, 8)
@@ -74,6 +75,16 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
     fewest experts of the model's MoE layers; ep is enumerated over the divisors of dp that divide
     it (1 only for a model without MoE layers). `seq_len`: cp is enumerated over `context_degrees`,
     each cp > 1 with both kinds (ring, ulysses) unless fixed."""
+    for values in completion_values(fixed, world_size, global_batch, experts, seq_len):
+        try:
+            yield Strategy(**values)
+        except ValueError:
+            continue
+
+
+def completion_values(fixed: dict[str, Any], world_size: int, global_batch: int, experts: int | None = None,
+                      seq_len: int | None = None) -> Iterator[dict[str, Any]]:
+    """`completions`' strategies as the keyword arguments of `Strategy`, not yet validated."""
     def choices(key: str, options) -> list:
         return [fixed[key]] if key in fixed else list(options)
 
@@ -110,13 +121,10 @@ def completions(fixed: dict[str, Any], world_size: int, global_batch: int,
                     counts = (counts,) * (pp * vp)
                 elif counts == "all":  # every layer: None, and `fit_recompute` leaves it so
                     counts = None
-                try:
-                    yield Strategy(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
-                                   num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
-                                   recompute_layers=counts, offload=offload, ep=ep, cp=cp, cp_kind=cp_kind,
-                                   compile=fixed.get("compile", False), **profile)
-                except ValueError:
-                    continue
+                yield dict(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
+                           num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
+                           recompute_layers=counts, offload=offload, ep=ep, cp=cp, cp_kind=cp_kind,
+                           compile=fixed.get("compile", False), **profile)
 
 
 def quick_evaluations(
@@ -154,7 +162,7 @@ def valid_strategies(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, A
     experts = fewest_experts(facts.experts)
     end_units = standalone_ends(facts.units)
     as_runtime = not is_runtime_profile(fixed)  # completions carry the fixed profile: the runtime's unless fixed
-    for strategy in completions(fixed, cluster.world_size, global_batch, experts, facts.seq_len):
+    for values, strategy in _drafted(fixed, cluster.world_size, global_batch, experts, facts.seq_len, as_runtime):
         count += 1
         if supports is not None:
             reason = supports(strategy.model_copy(update=RUNTIME_PROFILE) if as_runtime else strategy)
@@ -170,12 +178,23 @@ def valid_strategies(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, A
         if reason is not None:
             rejected[reason] = rejected.get(reason, 0) + 1
             continue
-        valid.append(strategy)
+        valid.append(strategy if values is None else Strategy(**values))
     if not valid:
         if count == 1 and rejected:  # a fully fixed strategy that breaks a rule: say which
             raise AutoparError(next(iter(rejected)))
         raise AutoparError(_no_completion(fixed, cluster.world_size, global_batch, count, rejected))
     return valid, count, rejected
+
+
+def _drafted(fixed: dict[str, Any], world_size: int, global_batch: int, experts: int | None, seq_len: int | None,
+             as_runtime: bool) -> Iterator[tuple[dict[str, Any] | None, Any]]:
+    """(values, draft) per completion, a Strategy built from the values only for those kept
+    (`searcher.drafts`); (None, strategy) when drafts cannot stand in (a fixed value the schema would
+    convert, or a fixed implementation profile, whose completions are asked as the runtime's copies)."""
+    if as_runtime or not drafts_allowed(fixed, world_size, global_batch):
+        return ((None, strategy) for strategy in completions(fixed, world_size, global_batch, experts, seq_len))
+    return ((values, namespace) for values in completion_values(fixed, world_size, global_batch, experts, seq_len)
+            if (namespace := draft(values)) is not None)
 
 
 def _no_completion(fixed: dict[str, Any], world_size: int, global_batch: int, count: int,

@@ -260,12 +260,22 @@ class Refiner:
                     tight, tight_for = self._solved(solve_unit, key, unit, strategy, budget)
                     if tight.status in ("optimal", "feasible"):
                         solution, solved_for = tight, tight_for
-            ops = {old.name: new.name for old, new in zip(solved_for.ops, unit.ops)}
-            op_placements.update({ops.get(name, name): value for name, value in solution.op_placements.items()})
-            for name, value in self._instance_params(solution.param_placements, solved_for, unit).items():
+            unit_ops, unit_params = self._moved(solution, solved_for, unit)
+            op_placements.update(unit_ops)
+            for name, value in unit_params.items():
                 if value not in proposed.setdefault(name, []):
                     proposed[name].append(value)
         return op_placements, proposed
+
+    def _moved(self, solution, solved_for: Unit, unit: Unit) -> tuple[dict[str, str], dict[str, str]]:
+        """A solve's op and parameter placements under `unit`'s names (`_instance_params`), once per
+        solve and unit (the refined strategies that share a solve move it to the same units; callers copy)."""
+        key = ("moved", id(solution), unit.name)  # solutions stay in `self.cache`: their ids are not reused
+        if key not in self.cache:
+            ops = {old.name: new.name for old, new in zip(solved_for.ops, unit.ops)}
+            self.cache[key] = ({ops.get(name, name): value for name, value in solution.op_placements.items()},
+                               self._instance_params(solution.param_placements, solved_for, unit))
+        return self.cache[key]
 
     def _solved(self, solve_unit, key: tuple, unit: Unit, strategy: Strategy, budget: LayerBudget | None):
         """(solution, the instance it was solved on): one solve per layer type, tp, micro-batch and

@@ -7,6 +7,7 @@ shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -151,7 +152,32 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _collecting_less():
+    """Planning allocates millions of small objects (graph nodes, strategies, evaluations), few of them
+    in garbage cycles, and Python's default thresholds scan them about a thousand times, full scans of
+    everything alive included: 1.7 s of GPT-3 175B's plan on 1,024 GPUs. Meanwhile what was alive
+    before (torch, autopar) is left out of every scan, and the youngest generation is collected every
+    10,000 allocations instead of 700 (0.5 s in all; the same peak memory, 465 MB). Both are undone
+    after, so a process that plans more than once (the tests) collects as before."""
+    import gc
+
+    threshold = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(10_000, *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+
+
 def _plan(args: argparse.Namespace) -> int:
+    with _collecting_less():
+        return _planned(args)
+
+
+def _planned(args: argparse.Namespace) -> int:
     import autopar
     from autopar.cost_models.strategy import parse_strategy
     from autopar.models import build_model
