@@ -8,7 +8,9 @@ its strategy fixed (a recompute without a layer count recomputes every layer): t
 (autopar at a7ddb44, the dev split) ran an unpadded vocabulary (`vocab_multiple=1`) and torch's
 foreach AdamW (`optimizer_impl=foreach`); `gpu_suite.py` files record their own (fused on CUDA,
 padded, `compile` where the row compiled). Goals (issue #29): step time within 10% on every row, and
-memory never under-predicted: predicted peak against `max_memory_reserved`, under by at most 2%.
+memory never under-predicted: predicted peak against `max_memory_reserved`, under by at most 2%, on the
+rows run under the allocator setting the runtime makes (expandable segments); rows run under the
+default allocator are shown with their worst under-prediction apart.
 `--fit` re-derives MISALIGNED_GEMM_FACTOR and COMPILE_FUSED_FRACTION (`cost_models/compute.py`) from
 the shared step anatomy alone (plain PyTorch), so autopar's own rows stay held out.
 """
@@ -71,6 +73,17 @@ def rows_of(path: Path) -> list[dict]:
     return rows
 
 
+def _allocator_note(allocator: str) -> str:
+    """Why a row's memory is not a goal, or "". autopar prices the allocator its runtime sets, expandable
+    segments (`runtime/allocator.py`, since 7f4beee); rows before it, and rows whose allocator the user
+    set, ran the default one, which reserves more around the same tensors."""
+    if allocator.startswith("as the user set it"):
+        return "  (the allocator as the user set it: not a goal)"
+    if not allocator:
+        return "  (the default allocator, before the runtime set expandable segments: not a goal)"
+    return ""
+
+
 def _measured_host(priced: dict) -> dict | None:
     """The host rates gpu_suite measured beside an offload row (`priced_on_this_host`), or None.
     Each file's rate prices its step as that runtime ran it. Files before the rate timed clipping with
@@ -126,7 +139,7 @@ def table(paths: list[Path], profile: Path | None = None, only_model: str | None
     rows = [row for path in paths for row in rows_of(path) if only_model in (None, row.get("model"))]
     print(f"{'source':34} {'case':22} {'pred ms':>8} {'meas ms':>8} {'err':>7} {'pred GiB':>8} {'resv GiB':>8} "
           f"{'under':>6}")
-    worst_time, worst_under = 0.0, -1.0
+    worst_time, worst_under, worst_default = 0.0, -1.0, -1.0
     for row in rows:
         if row["status"] != "ok":
             print(f"{row['source']:34} {row['case']:22} {row['status']}")
@@ -135,16 +148,19 @@ def table(paths: list[Path], profile: Path | None = None, only_model: str | None
         error = step_s / row["measured_s"] - 1
         under = 1 - peak / row["reserved_bytes"]
         worst_time = max(worst_time, abs(error), key=abs)
-        user_allocator = row.get("allocator", "").startswith("as the user set it")
-        if not user_allocator:  # autopar prices its own allocator setting (runtime/allocator.py)
+        allocator = _allocator_note(row.get("allocator", ""))
+        if allocator:
+            worst_default = max(worst_default, under)
+        else:  # autopar prices its own allocator setting (runtime/allocator.py)
             worst_under = max(worst_under, under)
         print(f"{row['source']:34} {row['case']:22} {step_s * 1e3:8.1f} {row['measured_s'] * 1e3:8.1f} "
               f"{error:+7.1%} {peak / GiB:8.1f} {row['reserved_bytes'] / GiB:8.1f} {under:+6.1%}"
-              + ("  (its host's measured rates)" if row.get("host") else "")
-              + ("  (the allocator as the user set it: not a goal)" if user_allocator else ""))
+              + ("  (its host's measured rates)" if row.get("host") else "") + allocator)
     print(f"worst step-time error {worst_time:.1%} (goal 10%: {'met' if worst_time <= 0.10 else 'missed'}); "
-          f"worst memory under-prediction {worst_under:+.1%} (goal <= 2%: "
+          f"worst memory under-prediction {worst_under:+.1%} under the runtime's allocator setting (goal <= 2%: "
           f"{'met' if worst_under <= 0.02 else 'missed'})")
+    if worst_default > -1.0:
+        print(f"under the default allocator (not a goal): worst memory under-prediction {worst_default:+.1%}")
     return 0
 
 

@@ -40,10 +40,14 @@ def build_optimizer(params: list[torch.Tensor], lr: float, offload: str = "none"
 def defer_gradient_scale(optimizer: torch.optim.Optimizer | None, scale: torch.Tensor, devices: set) -> bool:
     """Have `optimizer`'s next step multiply the gradients by `scale` (a 0-dim tensor), where it is
     torch's fused AdamW over gradients on one device; False where the caller must scale them itself.
-    The step also leaves the gradients scaled, as a clip would; `clear_gradient_scale` after it."""
+    The step also leaves the gradients scaled, as a clip would. The scale is the next step's only: a
+    post-step hook forgets it (`clear_gradient_scale`), so a later step without clipping cannot reuse it."""
     if optimizer is None or not optimizer.defaults.get("fused") or len(devices) != 1:
         return False
     (device,) = devices
+    if not getattr(optimizer, "_autopar_clears_scale", False):  # a user's own `optimizer.step()` clears it too
+        optimizer.register_step_post_hook(lambda stepped, _args, _kwargs: clear_gradient_scale(stepped))
+        optimizer._autopar_clears_scale = True
     optimizer.grad_scale = (1.0 / scale).to(device=device, dtype=torch.float32)  # a host copy under offload
     optimizer.found_inf = None
     return True

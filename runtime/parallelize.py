@@ -224,10 +224,12 @@ class ParallelModel:
         rows = batch.to(self.layout.device) if local else self.local_batch(batch)
         loss_sum = self.forward_backward(rows)
         self.sync_gradients()
-        if max_grad_norm > 0:
-            self.clip_grad_norm_(max_grad_norm, optimizer)
-        optimizer.step()
-        clear_gradient_scale(optimizer)
+        try:
+            if max_grad_norm > 0:
+                self.clip_grad_norm_(max_grad_norm, optimizer)
+            optimizer.step()
+        finally:  # a step that raised must not leave its deferred scale to the next one
+            clear_gradient_scale(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return self.global_loss(loss_sum)
 

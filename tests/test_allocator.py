@@ -26,8 +26,12 @@ def test_expandable_segments_on_a_cuda_device(setter):
 def test_a_users_setting_is_left_alone(setter, monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert allocator.configure_allocator(torch.device("cuda")) == \
-        "as the user set it (PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512)"
+        "as the user set it (PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512)" + allocator.PRICED_FOR
     assert setter == []
+    # a setting that keeps expandable segments runs what the plan priced: nothing to add
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:512")
+    assert allocator.configure_allocator(torch.device("cuda")) == \
+        "as the user set it (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,max_split_size_mb:512)"
 
 
 def test_nothing_on_the_cpu_and_a_refusal_is_reported(setter, monkeypatch):
@@ -39,4 +43,5 @@ def test_nothing_on_the_cpu_and_a_refusal_is_reported(setter, monkeypatch):
 
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
     assert allocator.configure_allocator(torch.device("cuda")) == \
-        "default (expandable segments unavailable: expandable_segments not supported on this platform)"
+        "default (expandable segments unavailable: expandable_segments not supported on this platform)" \
+        + allocator.PRICED_FOR

@@ -48,3 +48,16 @@ def test_a_user_allocator_row_is_shown_but_not_a_memory_goal(gpu_rows, tmp_path,
     path.write_text(json.dumps({"plans": [own]}))
     gpu_rows.table([path])
     assert "goal <= 2%: missed" in capsys.readouterr().out
+
+
+def test_a_row_run_before_the_runtime_set_its_allocator_is_reported_apart(gpu_rows, tmp_path, capsys):
+    """Files before 7f4beee record no allocator: their runtime left the default allocator, which is not
+    what the runtime (and so the memory model) runs now; their worst under-prediction is printed apart."""
+    older = {key: value for key, value in ROW.items() if key != "optimizations"}
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"plans": [{**older, "max_memory_reserved_bytes": 1 << 40}]}))
+    gpu_rows.table([path])
+    out = capsys.readouterr().out
+    assert "before the runtime set expandable segments: not a goal" in out
+    assert "goal <= 2%: met" in out
+    assert "under the default allocator (not a goal): worst memory under-prediction +100.0%" in out

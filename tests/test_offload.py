@@ -65,6 +65,23 @@ def test_zero3_offload_keeps_no_sharded_state_on_the_device(small_facts):
     assert memory.buffers > 0  # the gathered units in use and prefetched
 
 
+def test_zero3_offload_buffers_add_the_prefetched_units_fp32_host_shard():
+    """FSDP2 copies a unit's fp32 host shard to the device before casting it for the all-gather
+    (`FSDPParam.all_gather_inputs`): 4 bytes per parameter of the shard, beside the two gathered
+    16-bit units that ZeRO 3 holds without offload."""
+    from autopar.cost_models.memory import OFFLOAD_STAGING_BYTES_PER_PARAM, device_memory
+
+    unit, dp = 1.2e8, 4
+    common = dict(params_on_device=1e9, largest_unit_params=unit, precision="bf16", zero=3, dp=dp,
+                  activation_bytes=0.0)
+    kept = device_memory(**common)
+    moved = device_memory(**common, offload="optimizer")
+    assert OFFLOAD_STAGING_BYTES_PER_PARAM == 4
+    assert kept.buffers == pytest.approx(2 * unit * 2)
+    assert moved.buffers == pytest.approx(2 * unit * 2 + unit / dp * 4)
+    assert moved.margin == pytest.approx(0.05 * moved.buffers)
+
+
 def test_offload_time_is_the_pcie_copies_and_the_cpu_adam_step(small_facts):
     """The step grows by the exposed PCIe copies and the CPU step, and loses the device's optimizer step."""
     cluster = autopar.load_cluster("dgx-h100", gpus=2)

@@ -89,7 +89,7 @@ def test_clipping_scale_deferred_to_the_fused_step_matches_scaling_first():
     optimizer = build_optimizer(deferred, LR, offload="optimizer")
     assert defer_gradient_scale(optimizer, scale, {torch.device("cpu")})
     optimizer.step()
-    clear_gradient_scale(optimizer)
+    assert optimizer.grad_scale is None  # the step's post hook forgot it, as after a user's own step
     for ours, theirs in zip(deferred, scaled_first):
         torch.testing.assert_close(ours.grad, theirs.grad)
         torch.testing.assert_close(ours.detach(), theirs.detach())
@@ -105,3 +105,8 @@ def test_clipping_scale_deferred_to_the_fused_step_matches_scaling_first():
         assert not torch.equal(ours.detach(), old)
     foreach = build_optimizer(params(), LR)
     assert not foreach.defaults["fused"] and not defer_gradient_scale(foreach, scale, {torch.device("cpu")})
+    # deferred again: one hook still; a scale left by a step that never ran is cleared explicitly
+    assert defer_gradient_scale(optimizer, scale, {torch.device("cpu")})
+    assert len(optimizer._optimizer_step_post_hooks) == 1
+    clear_gradient_scale(optimizer)
+    assert optimizer.grad_scale is None
