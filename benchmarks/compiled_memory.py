@@ -1,16 +1,17 @@
-"""What a compiled block keeps for backward, against what the cost model counts (issue #29, the memory
-of a compiled step; measured on CPU, no GPU needed).
+"""What a stage compiled whole keeps for backward, against what the cost model counts (issue #29, the
+memory of a compiled step; measured on CPU, no GPU needed). The source of `cost_models/compiled_stage.py`.
 
-    python benchmarks/compiled_memory.py [--model gpt3-1.3b] [--batch 8] [--seq-len 2048]
+    python benchmarks/compiled_memory.py [--model gpt3-1.3b] [--model-config ...] [--batch 8] [--seq-len 2048]
+    python benchmarks/compiled_memory.py --model llama --model-config layers=16,hidden=2048,heads=16,kv_heads=8,vocab=128256 --batch 4
 
-One block of the zoo model goes through AOT autograd as torch.compile runs it, under bf16 autocast
-on CPU, with two partitioners: the default one (what eager autograd saves) and the min-cut
-rematerialization that inductor uses (it recomputes cheap elementwise ops in backward rather than
-save their outputs). The forward graph's outputs beyond the block's own are what backward reads:
-their bytes are printed beside the cost model's activation bytes for the same layer (`unit_activation_bytes`,
-recompute none). On the H200 (benchmarks/gpu_runs/h200-2026-11-27-7f4beee.json) GPT-1.3B at micro-batch 8
-allocated 56.6 GiB eager and 47.5 GiB compiled (whole stage with its loss): this separates the
-blocks' share of that saving from the loss's.
+The zoo model with its loss goes through AOT autograd as torch.compile runs it (inductor's
+decompositions), on fake tensors under bf16 autocast on CPU, with two partitioners: the default one
+and the min-cut rematerialization that inductor uses (it recomputes cheap ops in backward rather than
+save their outputs). The forward graph's outputs beyond the loss are what backward reads; autocast's
+16-bit weight copies among them are counted apart (the memory model counts them with the weights).
+The model is built with two and then three layers: the difference is one layer's share, the rest is
+the embedding, the final norm, the head and the loss. Each is printed beside the cost model's traced
+activations for the same part (`unit_activation_bytes`, recompute none).
 """
 
 from __future__ import annotations
@@ -27,65 +28,107 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 GiB = 2**30
 
 
-def saved_bytes(block: torch.nn.Module, hidden: torch.Tensor, partition) -> tuple[int, int]:
-    """(activations, weight copies): bytes of the tensors the forward graph hands to backward under
-    `partition`, those shaped like one of the block's weights (autocast's 16-bit copies, which the
-    memory model counts with the parameters) apart."""
-    from torch._functorch.aot_autograd import aot_module
+def saved_bytes(model: str, config: str, batch: int, seq_len: int, partition) -> tuple[int, int]:
+    """(activations, weight copies): bytes of the tensors the compiled forward hands to backward."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    shapes = {tuple(p.shape) for p in block.parameters()} | {tuple(p.shape)[::-1] for p in block.parameters()}
+    from autopar.models import build_model
+
     found = {"activations": 0, "weights": 0}
+    with FakeTensorMode():
+        spec = build_model(model, config, device="cpu")
+        named = dict(spec.module.named_parameters()) | dict(spec.module.named_buffers())
 
-    def forward_compiler(graph_module, _inputs):
-        output = next(node for node in graph_module.graph.nodes if node.op == "output").args[0]
-        for node in output[1:]:
-            value = node.meta.get("val")
-            if isinstance(value, torch.Tensor):
-                kind = "weights" if tuple(value.shape) in shapes else "activations"
-                found[kind] += value.numel() * value.element_size()
-        return graph_module
+        def forward_loss(*tensors):
+            *states, x = tensors
+            logits = torch.func.functional_call(spec.module, dict(zip(named, states)), (x,))
+            return spec.loss_fn(logits, x)
 
-    compiled = aot_module(block, fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm, partition_fn=partition)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        compiled(hidden)
+        def forward_compiler(graph_module, _inputs):
+            nodes = list(graph_module.graph.nodes)
+            states = set([node for node in nodes if node.op == "placeholder"][:len(named)])
+            output = next(node for node in nodes if node.op == "output").args[0]
+            for node in output[1:]:
+                value = node.meta.get("val")
+                if isinstance(value, torch.Tensor):
+                    kind = "weights" if _of_a_weight(node, states) else "activations"
+                    found[kind] += value.numel() * value.element_size()
+            return graph_module
+
+        compiled = aot_function(forward_loss, fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm,
+                                partition_fn=partition, decompositions=select_decomp_table())
+        tokens = torch.randint(0, spec.config.vocab, (batch, seq_len))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            compiled(*named.values(), tokens)
     return found["activations"], found["weights"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _of_a_weight(node, states) -> bool:
+    """Whether a saved tensor is a weight's copy: a cast or view chain from a parameter input."""
+    while node.op == "call_function" and node.args and hasattr(node.args[0], "op"):
+        if "convert_element_type" not in str(node.target) and "_to_copy" not in str(node.target) \
+                and not any(view in str(node.target) for view in ("permute", ".t.", "transpose", "view")):
+            return False
+        node = node.args[0]
+    return node in states
 
+
+def traced_bytes(model: str, config: str, batch: int, seq_len: int) -> tuple[float, float]:
+    """(one layer, the rest): the cost model's activation bytes, recompute none."""
     from autopar.cost_models.facts import model_facts
     from autopar.cost_models.stage_costs import unit_activation_bytes
     from autopar.graph import trace
     from autopar.models import build_model
 
+    spec = build_model(model, config)
+    graph = trace(spec.module, spec.example_inputs(1, seq_len), loss_fn=spec.loss_fn, precision="bf16",
+                  seq_len=seq_len)
+    facts = model_facts(graph, heads=spec.config.heads, kv_heads=spec.config.kv_heads,
+                        vocab=spec.config.padded_vocab)
+    sizes = {unit.name: unit_activation_bytes(unit, batch, 1, False, "none") for unit in facts.units}
+    layer = next(size for unit, size in zip(facts.units, sizes.values()) if unit.layer_type is not None)
+    return layer, sum(sizes.values()) - layer * sum(1 for unit in facts.units if unit.layer_type is not None)
+
+
+def measure(model: str, config: str | None, batch: int, seq_len: int) -> dict[str, dict[str, float]]:
+    """Per partitioner: one layer's saved bytes and the rest's (two and three layers apart), with the
+    weight copies of one layer; and the cost model's traced bytes for the same parts."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    configs = [",".join(filter(None, [config, f"layers={layers}", f"seq_len={seq_len}"])) for layers in (2, 3)]
+    layer, rest = traced_bytes(model, configs[0], batch, seq_len)
+    result = {"traced": {"layer": layer, "rest": rest}}
+    for name, partition in (("default", default_partition), ("min-cut", min_cut_rematerialization_partition)):
+        (two, two_copies), (three, three_copies) = (saved_bytes(model, text, batch, seq_len, partition)
+                                                    for text in configs)
+        result[name] = {"layer": three - two, "rest": two - 2 * (three - two), "layer_copies": three_copies - two_copies}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt3-1.3b", help="a zoo GPT: its blocks take the hidden states alone")
+    parser.add_argument("--model", default="gpt3-1.3b", help="a zoo model (GPT or Llama family)")
+    parser.add_argument("--model-config", default=None, help="overrides, as --model-config takes them")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     args = parser.parse_args(argv)
-    config = f"layers=2,seq_len={args.seq_len}"  # two blocks (one would not be a repeated layer), real on the CPU
-    spec = build_model(args.model, config, device="cpu")
-    graph = trace(spec.module, spec.example_inputs(1, args.seq_len), loss_fn=spec.loss_fn, precision="bf16")
-    facts = model_facts(graph, heads=spec.config.heads, vocab=spec.config.padded_vocab)
-    layer = next(unit for unit in facts.units if unit.layer_type is not None and unit.name.count(".") == 1)
-    modelled = unit_activation_bytes(layer, args.batch, 1, False, "none")
-    block = dict(spec.module.named_modules())[layer.name]
-    import inspect
+    from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR
 
-    if len(inspect.signature(block.forward).parameters) != 1:
-        parser.error(f"{args.model}'s blocks take more than the hidden states ({type(block).__name__}): use a zoo GPT")
-    print(f"{args.model}, one block ({layer.name}), micro-batch {args.batch} x {args.seq_len}, bf16 autocast on CPU")
-    print(f"  cost model (trace, recompute none): {modelled / GiB:6.3f} GiB")
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        hidden = torch.randn(args.batch, args.seq_len, spec.config.hidden, requires_grad=True)
-        for name, partition in (("default partition (eager's saved tensors)", default_partition),
-                                ("min-cut partition (inductor's)", min_cut_rematerialization_partition)):
-            started = time.perf_counter()
-            size, weights = saved_bytes(block, hidden, partition)
-            print(f"  {name}: {size / GiB:6.3f} GiB ({size / modelled:.2f} of the model's; weight copies "
-                  f"{weights / GiB:.3f} GiB apart; {time.perf_counter() - started:.1f} s)")
+    started = time.perf_counter()
+    result = measure(args.model, args.model_config, args.batch, args.seq_len)
+    traced = result["traced"]
+    print(f"{args.model} ({args.model_config or 'zoo config'}), micro-batch {args.batch} x {args.seq_len}, "
+          f"bf16 autocast on CPU, fake tensors ({time.perf_counter() - started:.0f} s)")
+    print(f"  cost model (trace, recompute none): a layer {traced['layer'] / GiB:.3f} GiB, "
+          f"the rest {traced['rest'] / GiB:.3f} GiB")
+    for name in ("default", "min-cut"):
+        part = result[name]
+        print(f"  {name} partition: a layer {part['layer'] / GiB:.3f} GiB ({part['layer'] / traced['layer']:.3f} "
+              f"of the traced; weight copies {part['layer_copies'] / GiB:.3f} GiB apart), the rest "
+              f"{part['rest'] / GiB:.3f} GiB")
+    print(f"  committed COMPILED_ACTIVATION_FACTOR = {COMPILED_ACTIVATION_FACTOR} (the larger layer ratio measured)")
     return 0
 
 

@@ -27,6 +27,8 @@ from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_par
                                              tied_across_ranks)
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
+from autopar.cost_models.compiled_stage import (compiled_layers, loss_gradient_bytes_per_logit,
+                                                loss_saved_saving_bytes, whole_stage_compiled)
 from autopar.cost_models.context import exchange_buffer_bytes, rank_batch, replicas, sync_layout
 from autopar.cost_models.experts import dispatch_buffer_bytes, replica_layout
 from autopar.cost_models.facts import ModelFacts, Unit
@@ -261,7 +263,8 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             params_on_device=rank_params[rank], largest_unit_params=prices.rank_largest_unit_params[rank],
             precision=pricing.facts.precision, zero=s.zero, dp=replicas(s),
             activation_bytes=pipe.peak_in_flight[rank]
-            + max(prices.stages[i].transient_bytes for i in stage_indices),
+            + max(prices.stages[i].transient_bytes for i in stage_indices)
+            - (compiled_loss_saving_bytes(pricing.facts, s) if len(prices.stages) - 1 in stage_indices else 0.0),
             optimizer_state=s.optimizer_state, offload=s.offload,
             dispatch_bytes=dispatch_buffer_bytes(pricing.facts.experts, [u.name for i in stage_indices
                                                                           for u in stages_units[i]], s.microbatch)
@@ -272,6 +275,7 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
                                                                             for u in stages_units[i]], s)
             if s.cp > 1 else 0.0,
             num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl, pp=s.pp,
+            compiled=compiled_layers(s),
             # the loss's gradients live before the first recomputed layer's transient: the larger counts
             loss_bytes=max(0.0, loss_gradient_bytes(pricing.facts, s) + padding_transient_bytes(pricing.facts, s)
                            - max(prices.stages[i].transient_bytes for i in stage_indices))
@@ -285,11 +289,26 @@ def loss_gradient_bytes(facts, s: Strategy) -> float:
     """The cross entropy's backward at the head: the gradients of its nll_loss and of its log_softmax,
     two fp32 tensors the size of the logits beside the saved log-probabilities (counted with the
     activations), at the peak of the last stage (MemTracker, `profiler/memory_tracker.py`: 8·b·s·V
-    bytes exactly); vocabulary-parallel (divided by tp) when the loss runs on vocabulary shards (pp=1)."""
+    bytes exactly); vocabulary-parallel (divided by tp) when the loss runs on vocabulary shards (pp=1).
+    A stage compiled whole writes one gradient in the logits' dtype (`cost_models.compiled_stage`)."""
     if not facts.vocab:
         return 0.0
+    per_logit = loss_gradient_bytes_per_logit(facts.precision, whole_stage_compiled(s))
+    return per_logit * _logits(facts, s)
+
+
+def _logits(facts, s: Strategy) -> float:
+    """Logits of one micro-batch on the last stage: vocabulary-parallel where the loss runs on shards."""
     shards = s.tp if s.pp == 1 else 1
-    return 8.0 * s.microbatch * facts.seq_len / s.cp * facts.vocab / shards
+    return s.microbatch * facts.seq_len / s.cp * facts.vocab / shards
+
+
+def compiled_loss_saving_bytes(facts, s: Strategy) -> float:
+    """What a stage compiled whole saves less for its loss than the trace counts (fp32 log-probabilities
+    against the logits in their precision, `cost_models.compiled_stage`); 0 elsewhere."""
+    if not facts.vocab or not whole_stage_compiled(s):
+        return 0.0
+    return loss_saved_saving_bytes(facts.precision, _logits(facts, s))
 
 
 def padding_transient_bytes(facts: ModelFacts, s: Strategy) -> float:
@@ -341,7 +360,7 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
         host_capacity = host_capacity_bytes(pricing.cluster)
     return Evaluation(
         strategy=s, global_batch=global_batch, seq_len=facts.seq_len, step_time_s=step_time,
-        activation_scale=activation_scale(facts.precision, s.zero, s.offload, s.optimizer_state),
+        activation_scale=activation_scale(facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s)),
         tokens_per_s=tokens / step_time, tflops_per_gpu=tflops_per_gpu,
         mfu=tflops_per_gpu * 1e12 / gpu.peak_flops_per_s(facts.precision),
         fits=all(m.total_bytes <= capacity for m in memory) and host_bytes <= host_capacity,

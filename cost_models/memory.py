@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR
 from autopar.cost_models.optimizer import temporary_bytes_per_param
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); two are in flight while overlapping.
@@ -143,6 +144,7 @@ def device_memory(
     optimizer_impl: str = "fused",
     loss_bytes: float = 0.0,
     pp: int = 1,
+    compiled: bool = False,
 ) -> MemoryBreakdown:
     """`offload="optimizer"` (FSDP2's CPUOffloadPolicy): every sharded state lives in host memory
     (`cost_models.offload`): the optimizer states (fp32 master weights and moments) always, the
@@ -151,7 +153,8 @@ def device_memory(
     keeps unsharded through the step stays: ZeRO 1/2's gathered weights, ZeRO 1's gradients.
     `expert_params` (ep > 1): of `params_on_device`, this rank's expert slices, whose ZeRO shards
     over their `expert_dp` = dp/ep replicas (`cost_models.experts`). `pp`: under pipeline stages
-    ZeRO 3 holds whole gradients (`gradients_sharded`)."""
+    ZeRO 3 holds whole gradients (`gradients_sharded`). `compiled`: the stage compiled whole without
+    recompute, whose activations min-cut partitions (`cost_models.compiled_stage`)."""
     dense = model_state_bytes(params_on_device - expert_params, precision, zero, dp, optimizer_state, pp,
                               num_microbatches)
     sliced = model_state_bytes(expert_params, precision, zero, expert_dp, optimizer_state, pp, num_microbatches)
@@ -173,7 +176,7 @@ def device_memory(
     buffers += exchange_bytes  # cp: the attention exchange's blocks in flight (`cost_models.context`)
     if unsharded_states(zero, offload, optimizer_state):
         return _unsharded_peak(params_on_device, activation_bytes, buffers, loss_bytes, num_microbatches,
-                               optimizer_impl, autocast_states(precision, zero, offload, optimizer_state))
+                               optimizer_impl, autocast_states(precision, zero, offload, optimizer_state), compiled)
     buffers += loss_bytes  # the last stage: the cross entropy's gradients at the head (`evaluate.loss_gradient_bytes`)
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
@@ -191,18 +194,21 @@ def unsharded_states(zero: int, offload: str, optimizer_state: str) -> bool:
     return zero == 0 and offload == "none" and optimizer_state == "fp32"
 
 
-def activation_factor(precision: str, zero: int, offload: str, optimizer_state: str) -> float:
-    """Stored bytes per byte of traced activations: autocast's extra, where it runs."""
-    return AUTOCAST_ACTIVATION_FACTOR if autocast_states(precision, zero, offload, optimizer_state) else 1.0
+def activation_factor(precision: str, zero: int, offload: str, optimizer_state: str, compiled: bool = False) -> float:
+    """Stored bytes per byte of traced activations: autocast's extra, where it runs; a stage compiled
+    whole keeps what inductor's min-cut partition saves instead (`cost_models.compiled_stage`)."""
+    if not autocast_states(precision, zero, offload, optimizer_state):
+        return 1.0
+    return COMPILED_ACTIVATION_FACTOR if compiled else AUTOCAST_ACTIVATION_FACTOR
 
 
 def fragmentation(zero: int, offload: str, optimizer_state: str) -> float:
     return UNSHARDED_FRAGMENTATION_MARGIN if unsharded_states(zero, offload, optimizer_state) else FRAGMENTATION_MARGIN
 
 
-def activation_scale(precision: str, zero: int, offload: str, optimizer_state: str) -> float:
+def activation_scale(precision: str, zero: int, offload: str, optimizer_state: str, compiled: bool = False) -> float:
     """Device bytes per byte of traced activations: autocast's extra and the allocator's margin."""
-    return (activation_factor(precision, zero, offload, optimizer_state)
+    return (activation_factor(precision, zero, offload, optimizer_state, compiled)
             * (1 + fragmentation(zero, offload, optimizer_state)))
 
 
@@ -214,7 +220,8 @@ def storage_bytes(memory: MemoryBreakdown, factor: float) -> float:
 
 
 def _unsharded_peak(params: float, activation_bytes: float, buffers: float, loss_bytes: float,
-                    num_microbatches: int, optimizer_impl: str, autocast: bool) -> MemoryBreakdown:
+                    num_microbatches: int, optimizer_impl: str, autocast: bool,
+                    compiled: bool = False) -> MemoryBreakdown:
     """Without ZeRO the runtime holds fp32 weights, and mixed precision is autocast over them. Measured
     with torch's MemTracker on fake tensors (`profiler/memory_tracker.py`, within ~1% of an H100's
     max_memory_allocated on GPT-1.3B), the step has two peaks:
@@ -228,7 +235,7 @@ def _unsharded_peak(params: float, activation_bytes: float, buffers: float, loss
     stays fp32 and each linear casts its input apart, so they hold more (`AUTOCAST_ACTIVATION_FACTOR`).
     The extra is counted in the margin, beside fragmentation, so the activations stay the graph's and
     `activation_scale` is the one ratio from them to the peak (what recompute counts save)."""
-    scale = activation_scale("bf16" if autocast else "fp32", 0, "none", "fp32")
+    scale = activation_scale("bf16" if autocast else "fp32", 0, "none", "fp32", compiled)
     margin = UNSHARDED_FRAGMENTATION_MARGIN
     backward = MemoryBreakdown(parameters=(6 if autocast else 4) * params,
                                gradients=4 * params if num_microbatches > 1 else 0.0, optimizer_states=8 * params,

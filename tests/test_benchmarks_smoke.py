@@ -84,14 +84,15 @@ def test_gpu_suite_runs_on_cpu(tmp_path):
 
 
 def test_compiled_memory_runs_on_cpu():
-    """benchmarks/compiled_memory.py: one tiny GPT block through AOT autograd with both partitioners;
-    inductor's min-cut never keeps more for backward than the default partition."""
+    """benchmarks/compiled_memory.py: a tiny GPT with its loss through AOT autograd with both
+    partitioners; inductor's min-cut never keeps more of a layer for backward than the default partition."""
     import re
 
-    result = subprocess.run([sys.executable, "benchmarks/compiled_memory.py", "--model", "gpt", "--batch", "2",
-                             "--seq-len", "64"], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run([sys.executable, "benchmarks/compiled_memory.py", "--model", "gpt", "--model-config",
+                             "hidden=256,heads=4,vocab=512", "--batch", "2", "--seq-len", "64"],
+                            capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    kept = [float(x) for x in re.findall(r"partition[^:]*:\s+([0-9.]+) GiB", result.stdout)]
+    kept = [float(x) for x in re.findall(r"partition: a layer [0-9.]+ GiB \(([0-9.]+) of the traced", result.stdout)]
     assert len(kept) == 2 and 0 < kept[1] <= kept[0], result.stdout
 
 

@@ -128,3 +128,60 @@ def test_per_micro_batch_weight_passes_are_their_bytes_over_the_hbm(padded):
     zero3 = compute_s(num_microbatches=4, zero=3)  # bf16 shards gathered by FSDP2: no autocast casts
     zero3_off = without(num_microbatches=4, zero=3)
     assert zero3["compute"] - zero3_off["compute"] == pytest.approx(params * 3 * 12 / bandwidth, rel=1e-6)
+
+
+def test_a_stage_compiled_whole_keeps_min_cuts_activations_and_one_16_bit_logits_gradient(padded):
+    """Compiled whole without recompute (`cost_models.compiled_stage`): the activations at min-cut's
+    ratio, the loss's fp32 log-probabilities saved as bf16 logits, and one bf16 gradient of the logits
+    in place of eager's two fp32; with recompute the layers keep eager's factor."""
+    from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR
+    from autopar.cost_models.memory import (AUTOCAST_ACTIVATION_FACTOR, UNSHARDED_FRAGMENTATION_MARGIN,
+                                            activation_scale)
+
+    one = Strategy(dp=1, tp=1, pp=1, microbatch=2, num_microbatches=1)
+    cluster = load_cluster("dgx-h100", gpus=1)
+    eager = evaluate(padded, cluster, one, 2).memory[0]
+    compiled = evaluate(padded, cluster, one.model_copy(update={"compile": True}), 2).memory[0]
+    logits = 2 * padded.seq_len * padded.vocab
+    assert eager.buffers == pytest.approx(8 * logits) and compiled.buffers == pytest.approx(2 * logits)
+    assert eager.activations - compiled.activations == pytest.approx((4 - 2) * logits)
+    assert activation_scale("bf16", 0, "none", "fp32", compiled=True) == pytest.approx(
+        COMPILED_ACTIVATION_FACTOR * (1 + UNSHARDED_FRAGMENTATION_MARGIN))
+    for memory, factor in ((eager, AUTOCAST_ACTIVATION_FACTOR), (compiled, COMPILED_ACTIVATION_FACTOR)):
+        assert memory.margin == pytest.approx(
+            (factor * (1 + UNSHARDED_FRAGMENTATION_MARGIN) - 1) * memory.activations
+            + UNSHARDED_FRAGMENTATION_MARGIN * memory.buffers)
+    recompute = one.model_copy(update={"compile": True, "recompute": "full"})
+    assert evaluate(padded, cluster, recompute, 2).activation_scale == pytest.approx(
+        activation_scale("bf16", 0, "none", "fp32"))
+    # per-block compile (FSDP2 units): the loss stays eager
+    zero3 = Strategy(dp=2, tp=1, pp=1, zero=3, microbatch=1, num_microbatches=1, compile=True)
+    assert evaluate(padded, H100, zero3, 2).memory[0].buffers >= 8 * padded.seq_len * padded.vocab
+
+
+def test_the_compiled_activation_model_covers_what_min_cut_saves(monkeypatch):
+    """benchmarks/compiled_memory.py on GPT-1.3B's widths (fake tensors, CPU): a layer keeps at most
+    COMPILED_ACTIVATION_FACTOR of its traced bytes, and the cost model's compiled activations for the
+    whole model cover what min-cut saves, within 5% above."""
+    import sys
+    from pathlib import Path
+
+    from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.modules.pop("compiled_memory", None)
+    import compiled_memory
+
+    batch, seq_len, layers = 2, 1024, 24
+    measured = compiled_memory.measure("gpt3-1.3b", None, batch, seq_len)
+    traced, cut = measured["traced"], measured["min-cut"]
+    assert cut["layer"] <= COMPILED_ACTIVATION_FACTOR * traced["layer"]
+    assert cut["layer"] < measured["default"]["layer"]  # min-cut recomputes what the default saves
+    saved = layers * cut["layer"] + cut["rest"]
+    spec = build_model("gpt3-1.3b", f"seq_len={seq_len}")
+    graph = trace(spec.module, spec.example_inputs(1, seq_len), loss_fn=spec.loss_fn, precision="bf16",
+                  seq_len=seq_len)
+    facts = model_facts(graph, heads=16, vocab=spec.config.padded_vocab)
+    plan = Strategy(dp=1, tp=1, pp=1, microbatch=batch, num_microbatches=1, compile=True)
+    modelled = evaluate(facts, load_cluster("dgx-h100", gpus=1), plan, batch).memory[0].activations
+    assert saved <= COMPILED_ACTIVATION_FACTOR * modelled <= 1.05 * saved

@@ -1,0 +1,60 @@
+"""What a stage compiled whole with its loss holds (`runtime.compile.compile_forward_loss`), beside eager.
+
+Measured on CPU (`python benchmarks/compiled_memory.py`): the zoo model goes through AOT autograd with
+inductor's decompositions and its min-cut partition, as torch.compile runs it, on fake tensors under
+bf16 autocast; the forward graph's outputs beyond the loss are what backward keeps. Two and three
+layers separate a layer's share from the rest (the embedding, the final norm, the head and the loss).
+- **A layer** keeps 1.189 GiB for GPT-1.3B at micro-batch 8 × 2048 (1.001 GiB traced, the cost model's
+  activations), and 0.602 GiB for a Llama of hidden 2048, GQA 16/8, at micro-batch 4 × 2048 (0.844
+  traced), autocast's 16-bit weight copies apart (they are counted with the weights). The larger ratio
+  is taken, as `memory.AUTOCAST_ACTIVATION_FACTOR` takes the larger of eager's (40/32).
+- **The loss** keeps the logits in their compute precision, not the fp32 log-probabilities that eager
+  autograd saves and the trace counts (GPT-1.3B: 1.74 GiB beside the layers against 3.20 traced; the
+  Llama: 2.02 against 4.10), and its backward writes the logits' gradient once, in their dtype, from one
+  fused kernel (inductor's generated code for `models.lm_loss`, read on CPU) where eager holds two fp32
+  gradients of their size (`evaluate.loss_gradient_bytes`).
+
+Held out: GPT-1.3B compiled at micro-batch 8 allocated 47.5 GiB on the lent H200 (0621687, 7f4beee)
+and 47.5 on the H100 (2fef514), against 56.6 eager; the eager model priced it at 65.4 GiB.
+With recompute the compiled graph keeps checkpointed inputs, which these measurements do not cover:
+the layers keep eager's factor there.
+"""
+
+from __future__ import annotations
+
+from autopar.capabilities import whole_stage_problem
+
+# min-cut saved bytes per traced activation byte of a layer, the larger of GPT's 1.189/1.001 and
+# Llama's 0.602/0.844 (above)
+COMPILED_ACTIVATION_FACTOR = 1.19
+# fp32 log-probabilities, saved by eager's log_softmax for its backward
+EAGER_SAVED_LOSS_BYTES = 4
+# eager's loss backward: the gradients of nll_loss and of log_softmax, fp32 each
+EAGER_LOSS_GRADIENT_BYTES = 8
+
+
+def whole_stage_compiled(strategy) -> bool:
+    """Whether the runtime compiles this plan's stage as one graph with its loss."""
+    return bool(strategy.compile) and whole_stage_problem(strategy) is None
+
+
+def compiled_layers(strategy) -> bool:
+    """Whether the layers' activations are min-cut's (`COMPILED_ACTIVATION_FACTOR`): a whole compiled
+    stage without recompute."""
+    return whole_stage_compiled(strategy) and strategy.recompute == "none"
+
+
+def logits_element_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def loss_saved_saving_bytes(precision: str, logits: float) -> float:
+    """Bytes the compiled loss saves less than the trace counts, for `logits` elements: fp32
+    log-probabilities against the logits in their own precision."""
+    return (EAGER_SAVED_LOSS_BYTES - logits_element_bytes(precision)) * logits
+
+
+def loss_gradient_bytes_per_logit(precision: str, compiled: bool) -> int:
+    """The loss backward's transient bytes per logit: eager's two fp32 gradients, or the compiled
+    kernel's one gradient in the logits' dtype."""
+    return logits_element_bytes(precision) if compiled else EAGER_LOSS_GRADIENT_BYTES
