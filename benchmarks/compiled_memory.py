@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 GiB = 2**30
 
 
-def saved_bytes(model: str, config: str, batch: int, seq_len: int, partition) -> tuple[int, int]:
+def saved_bytes(model: str, config: str, batch: int, seq_len: int, partition,
+                precision: str = "bf16") -> tuple[int, int]:
     """(activations, weight copies): bytes of the tensors the compiled forward hands to backward."""
     from torch._functorch.aot_autograd import aot_function
     from torch._inductor.decomposition import select_decomp_table
@@ -60,7 +61,7 @@ def saved_bytes(model: str, config: str, batch: int, seq_len: int, partition) ->
         compiled = aot_function(forward_loss, fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm,
                                 partition_fn=partition, decompositions=select_decomp_table())
         tokens = torch.randint(0, spec.config.vocab, (batch, seq_len))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             compiled(*named.values(), tokens)
     return found["activations"], found["weights"]
 
@@ -75,7 +76,7 @@ def _of_a_weight(node, states) -> bool:
     return node in states
 
 
-def traced_bytes(model: str, config: str, batch: int, seq_len: int) -> tuple[float, float]:
+def traced_bytes(model: str, config: str, batch: int, seq_len: int, precision: str = "bf16") -> tuple[float, float]:
     """(one layer, the rest): the cost model's activation bytes, recompute none."""
     from autopar.cost_models.facts import model_facts
     from autopar.cost_models.stage_costs import unit_activation_bytes
@@ -83,7 +84,7 @@ def traced_bytes(model: str, config: str, batch: int, seq_len: int) -> tuple[flo
     from autopar.models import build_model
 
     spec = build_model(model, config)
-    graph = trace(spec.module, spec.example_inputs(1, seq_len), loss_fn=spec.loss_fn, precision="bf16",
+    graph = trace(spec.module, spec.example_inputs(1, seq_len), loss_fn=spec.loss_fn, precision=precision,
                   seq_len=seq_len)
     facts = model_facts(graph, heads=spec.config.heads, kv_heads=spec.config.kv_heads,
                         vocab=spec.config.padded_vocab)
@@ -92,16 +93,17 @@ def traced_bytes(model: str, config: str, batch: int, seq_len: int) -> tuple[flo
     return layer, sum(sizes.values()) - layer * sum(1 for unit in facts.units if unit.layer_type is not None)
 
 
-def measure(model: str, config: str | None, batch: int, seq_len: int) -> dict[str, dict[str, float]]:
+def measure(model: str, config: str | None, batch: int, seq_len: int,
+            precision: str = "bf16") -> dict[str, dict[str, float]]:
     """Per partitioner: one layer's saved bytes and the rest's (two and three layers apart), with the
     weight copies of one layer; and the cost model's traced bytes for the same parts."""
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     configs = [",".join(filter(None, [config, f"layers={layers}", f"seq_len={seq_len}"])) for layers in (2, 3)]
-    layer, rest = traced_bytes(model, configs[0], batch, seq_len)
+    layer, rest = traced_bytes(model, configs[0], batch, seq_len, precision)
     result = {"traced": {"layer": layer, "rest": rest}}
     for name, partition in (("default", default_partition), ("min-cut", min_cut_rematerialization_partition)):
-        (two, two_copies), (three, three_copies) = (saved_bytes(model, text, batch, seq_len, partition)
+        (two, two_copies), (three, three_copies) = (saved_bytes(model, text, batch, seq_len, partition, precision)
                                                     for text in configs)
         result[name] = {"layer": three - two, "rest": two - 2 * (three - two), "layer_copies": three_copies - two_copies}
     return result
@@ -113,14 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-config", default=None, help="overrides, as --model-config takes them")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="bf16: autocast over fp32 weights, as the runtime runs it; fp32: no autocast")
     args = parser.parse_args(argv)
-    from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR
+    from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR, COMPILED_FP32_ACTIVATION_FACTOR
 
     started = time.perf_counter()
-    result = measure(args.model, args.model_config, args.batch, args.seq_len)
+    result = measure(args.model, args.model_config, args.batch, args.seq_len, args.precision)
     traced = result["traced"]
     print(f"{args.model} ({args.model_config or 'zoo config'}), micro-batch {args.batch} x {args.seq_len}, "
-          f"bf16 autocast on CPU, fake tensors ({time.perf_counter() - started:.0f} s)")
+          f"{'bf16 autocast' if args.precision == 'bf16' else 'fp32'} on CPU, fake tensors "
+          f"({time.perf_counter() - started:.0f} s)")
     print(f"  cost model (trace, recompute none): a layer {traced['layer'] / GiB:.3f} GiB, "
           f"the rest {traced['rest'] / GiB:.3f} GiB")
     for name in ("default", "min-cut"):
@@ -128,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name} partition: a layer {part['layer'] / GiB:.3f} GiB ({part['layer'] / traced['layer']:.3f} "
               f"of the traced; weight copies {part['layer_copies'] / GiB:.3f} GiB apart), the rest "
               f"{part['rest'] / GiB:.3f} GiB")
-    print(f"  committed COMPILED_ACTIVATION_FACTOR = {COMPILED_ACTIVATION_FACTOR} (the larger layer ratio measured)")
+    factor = COMPILED_ACTIVATION_FACTOR if args.precision == "bf16" else COMPILED_FP32_ACTIVATION_FACTOR
+    print(f"  committed factor for {args.precision}: {factor} (the largest layer ratio measured)")
     return 0
 
 

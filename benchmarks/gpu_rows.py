@@ -75,13 +75,18 @@ def rows_of(path: Path) -> list[dict]:
 
 def _allocator_note(allocator: str) -> str:
     """Why a row's memory is not a goal, or "". autopar prices the allocator its runtime sets, expandable
-    segments (`runtime/allocator.py`, since 7f4beee); rows before it, and rows whose allocator the user
-    set, ran the default one, which reserves more around the same tensors."""
+    segments (`runtime/allocator.py`, since 7f4beee); rows run without them (before it, with the user's
+    own setting, or where they were unavailable) ran the default one, which reserves more around the
+    same tensors."""
+    from autopar.runtime.allocator import expandable_in_effect
+
+    if expandable_in_effect(allocator):
+        return ""
     if allocator.startswith("as the user set it"):
         return "  (the allocator as the user set it: not a goal)"
     if not allocator:
         return "  (the default allocator, before the runtime set expandable segments: not a goal)"
-    return ""
+    return "  (the default allocator: not a goal)"
 
 
 def _measured_host(priced: dict) -> dict | None:
@@ -148,14 +153,14 @@ def table(paths: list[Path], profile: Path | None = None, only_model: str | None
         error = step_s / row["measured_s"] - 1
         under = 1 - peak / row["reserved_bytes"]
         worst_time = max(worst_time, abs(error), key=abs)
-        allocator = _allocator_note(row.get("allocator", ""))
-        if allocator:
+        allocator_note = _allocator_note(row.get("allocator", ""))
+        if allocator_note:
             worst_default = max(worst_default, under)
         else:  # autopar prices its own allocator setting (runtime/allocator.py)
             worst_under = max(worst_under, under)
         print(f"{row['source']:34} {row['case']:22} {step_s * 1e3:8.1f} {row['measured_s'] * 1e3:8.1f} "
               f"{error:+7.1%} {peak / GiB:8.1f} {row['reserved_bytes'] / GiB:8.1f} {under:+6.1%}"
-              + ("  (its host's measured rates)" if row.get("host") else "") + allocator)
+              + ("  (its host's measured rates)" if row.get("host") else "") + allocator_note)
     print(f"worst step-time error {worst_time:.1%} (goal 10%: {'met' if worst_time <= 0.10 else 'missed'}); "
           f"worst memory under-prediction {worst_under:+.1%} under the runtime's allocator setting (goal <= 2%: "
           f"{'met' if worst_under <= 0.02 else 'missed'})")

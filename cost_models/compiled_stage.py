@@ -16,8 +16,9 @@ layers separate a layer's share from the rest (the embedding, the final norm, th
 
 Held out: GPT-1.3B compiled at micro-batch 8 allocated 47.5 GiB on the lent H200 (0621687, 7f4beee)
 and 47.5 on the H100 (2fef514), against 56.6 eager; the eager model priced it at 65.4 GiB.
-With recompute the compiled graph keeps checkpointed inputs, which these measurements do not cover:
-the layers keep eager's factor there.
+In fp32 (no autocast) a layer keeps 1.062 of its traced bytes (GPT) and 0.822 (the Llama); the loss's
+terms were measured under bf16 autocast only, so in fp32 the loss keeps eager's. With recompute the
+compiled graph keeps checkpointed inputs, which these measurements do not cover: eager's terms there.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from autopar.capabilities import whole_stage_problem
 # min-cut saved bytes per traced activation byte of a layer, the larger of GPT's 1.189/1.001 and
 # Llama's 0.602/0.844 (above)
 COMPILED_ACTIVATION_FACTOR = 1.19
-# fp32 log-probabilities, saved by eager's log_softmax for its backward
-EAGER_SAVED_LOSS_BYTES = 4
-# eager's loss backward: the gradients of nll_loss and of log_softmax, fp32 each
-EAGER_LOSS_GRADIENT_BYTES = 8
+# the same in fp32, without autocast: GPT 1.062 (GPT-2 124M at 8 x 1024 and GPT-1.3B at 8 x 2048), the
+# Llama 0.822
+COMPILED_FP32_ACTIVATION_FACTOR = 1.07
+# eager autograd per logit: the fp32 log-probabilities log_softmax saves, and the loss backward's two
+# fp32 gradients (of nll_loss and of log_softmax)
+EAGER_SAVED_BYTES_PER_LOGIT = 4
+EAGER_LOSS_GRADIENT_BYTES_PER_LOGIT = 8
 
 
 def whole_stage_compiled(strategy) -> bool:
@@ -39,22 +43,20 @@ def whole_stage_compiled(strategy) -> bool:
 
 
 def compiled_layers(strategy) -> bool:
-    """Whether the layers' activations are min-cut's (`COMPILED_ACTIVATION_FACTOR`): a whole compiled
-    stage without recompute."""
+    """Whether the activations are min-cut's (`COMPILED_ACTIVATION_FACTOR`, the loss's too under bf16
+    autocast): a whole compiled stage without recompute, what was measured."""
     return whole_stage_compiled(strategy) and strategy.recompute == "none"
 
 
-def logits_element_bytes(precision: str) -> int:
+def logit_element_bytes(precision: str) -> int:
+    """Bytes of one logit in the compute precision (what the compiled loss keeps and writes)."""
     return 4 if precision == "fp32" else 2
 
 
-def loss_saved_saving_bytes(precision: str, logits: float) -> float:
-    """Bytes the compiled loss saves less than the trace counts, for `logits` elements: fp32
-    log-probabilities against the logits in their own precision."""
-    return (EAGER_SAVED_LOSS_BYTES - logits_element_bytes(precision)) * logits
-
-
-def loss_gradient_bytes_per_logit(precision: str, compiled: bool) -> int:
-    """The loss backward's transient bytes per logit: eager's two fp32 gradients, or the compiled
-    kernel's one gradient in the logits' dtype."""
-    return logits_element_bytes(precision) if compiled else EAGER_LOSS_GRADIENT_BYTES
+def loss_bytes_per_logit(precision: str, compiled: bool) -> tuple[int, int]:
+    """(saved for backward, the backward's transient gradients) per logit: eager's fp32 log-probabilities
+    and two fp32 gradients, or the compiled loss's logits and one gradient in their own precision."""
+    if not compiled:
+        return EAGER_SAVED_BYTES_PER_LOGIT, EAGER_LOSS_GRADIENT_BYTES_PER_LOGIT
+    element = logit_element_bytes(precision)
+    return element, element

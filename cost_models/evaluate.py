@@ -27,14 +27,13 @@ from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_par
                                              tied_across_ranks)
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
-from autopar.cost_models.compiled_stage import (compiled_layers, loss_gradient_bytes_per_logit,
-                                                loss_saved_saving_bytes, whole_stage_compiled)
+from autopar.cost_models.compiled_stage import EAGER_SAVED_BYTES_PER_LOGIT, compiled_layers, loss_bytes_per_logit
 from autopar.cost_models.context import exchange_buffer_bytes, rank_batch, replicas, sync_layout
 from autopar.cost_models.experts import dispatch_buffer_bytes, replica_layout
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.implementation import as_run
 from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, activation_scale,
-                                        device_memory,
+                                        autocast_states, device_memory,
                                         planning_capacity_bytes, state_bytes_per_param)
 from autopar.cost_models.offload import OffloadCost, host_capacity_bytes, node_host_bytes, offload_cost
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
@@ -293,8 +292,14 @@ def loss_gradient_bytes(facts, s: Strategy) -> float:
     A stage compiled whole writes one gradient in the logits' dtype (`cost_models.compiled_stage`)."""
     if not facts.vocab:
         return 0.0
-    per_logit = loss_gradient_bytes_per_logit(facts.precision, whole_stage_compiled(s))
-    return per_logit * _logits(facts, s)
+    _, gradient = loss_bytes_per_logit(facts.precision, _compiled_loss(facts, s))
+    return gradient * _logits(facts, s)
+
+
+def _compiled_loss(facts, s: Strategy) -> bool:
+    """Whether the loss is priced as compiled: a whole stage without recompute, under bf16 autocast
+    (what `cost_models.compiled_stage` measured)."""
+    return compiled_layers(s) and autocast_states(facts.precision, s.zero, s.offload, s.optimizer_state)
 
 
 def _logits(facts, s: Strategy) -> float:
@@ -306,9 +311,10 @@ def _logits(facts, s: Strategy) -> float:
 def compiled_loss_saving_bytes(facts, s: Strategy) -> float:
     """What a stage compiled whole saves less for its loss than the trace counts (fp32 log-probabilities
     against the logits in their precision, `cost_models.compiled_stage`); 0 elsewhere."""
-    if not facts.vocab or not whole_stage_compiled(s):
+    if not facts.vocab or not _compiled_loss(facts, s):
         return 0.0
-    return loss_saved_saving_bytes(facts.precision, _logits(facts, s))
+    saved, _ = loss_bytes_per_logit(facts.precision, compiled=True)
+    return (EAGER_SAVED_BYTES_PER_LOGIT - saved) * _logits(facts, s)
 
 
 def padding_transient_bytes(facts: ModelFacts, s: Strategy) -> float:

@@ -12,7 +12,8 @@ torch's MemTracker, `_unsharded_peak`):
   attention (s² with `attention=math`), which matches Korthikanti et al. 2022 (32·s·h per layer and
   sample at tp=1, 4·s·h with tp=8 and sp, vs their 34 and 4.25 with dropout masks). Missing: the
   backward's transient gradient buffers of a few b·s·h per layer (the head's, two fp32 logits-sized
-  gradients, are counted on the last stage: `evaluate.loss_gradient_bytes`).
+  gradients, one in the logits' dtype for a stage compiled whole, are counted on the last stage:
+  `evaluate.loss_gradient_bytes`).
 - Tensor parallelism: the head's logits are counted vocabulary-parallel (divided by tp) on every
   stage, as Megatron-LM runs them; autopar's runtime gathers them on a pipeline's last stage, so
   its pp > 1, tp > 1 last stage is under-predicted by (tp−1)/tp of the logits. Without sp, the
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR
+from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR, COMPILED_FP32_ACTIVATION_FACTOR
 from autopar.cost_models.optimizer import temporary_bytes_per_param
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); two are in flight while overlapping.
@@ -52,11 +53,13 @@ AUTOCAST_ACTIVATION_FACTOR = 40 / 32
 UNSHARDED_FRAGMENTATION_MARGIN = 0.20
 RESERVED_BYTES = 2 * 2**30
 # Under offload FSDP2 gathers a unit from its fp32 host shard: the shard is first copied to the device
-# whole, then cast to the compute dtype for the all-gather (`FSDPParam.all_gather_inputs`, torch 2.11).
-# The copy lives while the unit in use computes, beside the gathered copies counted above. On the
-# lent H200 (0621687, GPT-2.7B ZeRO-3, expandable segments) the offload row reserved 7.0 GiB against
-# 6.75 predicted without it (3.3% under).
-OFFLOAD_STAGING_BYTES_PER_PARAM = 4
+# whole (4 bytes per parameter), then cast to the compute dtype (2) for the all-gather
+# (`FSDPParam.all_gather_inputs`, torch 2.11), both on the all-gather's copy-in stream and freed once
+# copied in. The caching allocator keeps their blocks in that stream's pool, beside the gathered
+# copies counted below, so the reserve holds them through the step. On the lent H200 (0621687,
+# GPT-2.7B ZeRO-3, expandable segments) the offload row reserved 7.0 GiB against 6.75 predicted
+# without them (3.3% under).
+OFFLOAD_STAGING_BYTES_PER_PARAM = 4 + 2
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ def device_memory(
     per = state_bytes_per_param(precision, optimizer_state)
     if zero >= 3:  # the gathered unit (or tensor, zero3_fetch=parameter) in use and the next one prefetched
         buffers = 2 * largest_unit_params * per.weight
-        if offload == "optimizer":  # the prefetched unit's fp32 host shard, copied to the device before its cast
+        if offload == "optimizer":  # the prefetched unit's fp32 host shard copied in, and its cast
             buffers += largest_unit_params / dp * OFFLOAD_STAGING_BYTES_PER_PARAM
     elif dp > 1:
         buffers = 2 * DDP_BUCKET_BYTES
@@ -198,7 +201,7 @@ def activation_factor(precision: str, zero: int, offload: str, optimizer_state: 
     """Stored bytes per byte of traced activations: autocast's extra, where it runs; a stage compiled
     whole keeps what inductor's min-cut partition saves instead (`cost_models.compiled_stage`)."""
     if not autocast_states(precision, zero, offload, optimizer_state):
-        return 1.0
+        return COMPILED_FP32_ACTIVATION_FACTOR if compiled and unsharded_states(zero, offload, optimizer_state) else 1.0
     return COMPILED_ACTIVATION_FACTOR if compiled else AUTOCAST_ACTIVATION_FACTOR
 
 

@@ -45,3 +45,11 @@ def configure_allocator(device: torch.device) -> str:
     except Exception as error:  # a platform or torch without them: the default allocator, said so
         return f"default (expandable segments unavailable: {str(error).splitlines()[0]})" + PRICED_FOR
     return "expandable segments"
+
+
+def expandable_in_effect(note: str) -> bool:
+    """Whether a run's allocator note (`configure_allocator`'s words) means expandable segments were on:
+    what the memory model prices. Files before the runtime set them record no note: the default."""
+    if note == "expandable segments":
+        return True
+    return note.startswith("as the user set it") and "expandable_segments:true" in note.replace(" ", "").lower()

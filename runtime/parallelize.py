@@ -313,22 +313,27 @@ def _local_value(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 0, precision: str = "fp32",
-                head_path: str | None = None, compile: bool = False,
+                head_path: str | None = None, compile: bool | None = None,
                 example_inputs: tuple[torch.Tensor, ...] | None = None) -> ParallelModel:
     """Shard `model` (on meta, or with real weights) as `plan` says, on the running process group.
 
     `loss_fn(output, input_ids)` is the training loss; every rank calls this with the same arguments.
-    `compile`: torch.compile each block's forward (runtime/compile.py). `example_inputs`: the model's
+    `compile`: torch.compile the stage (runtime/compile.py); None: as the plan was priced. A plan priced
+    compiled is refused eager: its memory counts what the compiled step saves. `example_inputs`: the model's
     inputs (any batch, any device, meta included) for pipeline stages to capture the forward at the
     micro-batch shape; by default the plan's `model_inputs`.
     """
+    s = plan.strategy
+    compile = s.compile if compile is None else compile
+    if s.compile and not compile:
+        raise AutoparError("this plan was priced compiled (its memory counts what the compiled step saves): "
+                           "pass compile=True, or re-run `autopar plan` without compile")
     fingerprint = model_fingerprint(model)
     if plan.provenance.model_fingerprint != fingerprint:
         raise AutoparError(
             f"the plan was made for model fingerprint {plan.provenance.model_fingerprint} "
             f"({plan.provenance.model_name}), this model is {fingerprint}: re-run `autopar plan` for this model"
         )
-    s = plan.strategy
     unsupported = (plan_refusal(model, plan) or (expert_parallel_problem(model, s.ep) if s.ep > 1 else None)
                    or context_parallel_problem(model, s, _sequence_length(plan), loss_fn, plan.tp_realization))
     if unsupported:

@@ -45,3 +45,15 @@ def test_nothing_on_the_cpu_and_a_refusal_is_reported(setter, monkeypatch):
     assert allocator.configure_allocator(torch.device("cuda")) == \
         "default (expandable segments unavailable: expandable_segments not supported on this platform)" \
         + allocator.PRICED_FOR
+
+
+def test_which_notes_mean_expandable_segments_were_on(setter, monkeypatch):
+    """`expandable_in_effect` reads a run's note as `gpu_rows.py` needs it: what the memory model priced."""
+    on = allocator.configure_allocator(torch.device("cuda"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    kept = allocator.configure_allocator(torch.device("cuda"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    dropped = allocator.configure_allocator(torch.device("cuda"))
+    assert [allocator.expandable_in_effect(note) for note in (on, kept, dropped)] == [True, True, False]
+    assert not allocator.expandable_in_effect("")  # files before the runtime set them
+    assert not allocator.expandable_in_effect("default (expandable segments unavailable: no)" + allocator.PRICED_FOR)

@@ -22,9 +22,9 @@ H100 = load_cluster("dgx-h100", gpus=2)
 CONFIG = "layers=2,hidden=256,heads=4,seq_len=256,vocab={vocab}"
 
 
-def facts_for(vocab: int, multiple: int = 128):
+def facts_for(vocab: int, multiple: int = 128, precision: str = "bf16"):
     spec = build_model("gpt", CONFIG.format(vocab=vocab) + f",vocab_multiple={multiple}")
-    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16")
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision=precision)
     return model_facts(graph, heads=4, vocab=spec.config.padded_vocab)
 
 
@@ -133,8 +133,8 @@ def test_per_micro_batch_weight_passes_are_their_bytes_over_the_hbm(padded):
 def test_a_stage_compiled_whole_keeps_min_cuts_activations_and_one_16_bit_logits_gradient(padded):
     """Compiled whole without recompute (`cost_models.compiled_stage`): the activations at min-cut's
     ratio, the loss's fp32 log-probabilities saved as bf16 logits, and one bf16 gradient of the logits
-    in place of eager's two fp32; with recompute the layers keep eager's factor."""
-    from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR
+    in place of eager's two fp32; with recompute, eager's terms; in fp32, min-cut's fp32 ratio."""
+    from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR, COMPILED_FP32_ACTIVATION_FACTOR
     from autopar.cost_models.memory import (AUTOCAST_ACTIVATION_FACTOR, UNSHARDED_FRAGMENTATION_MARGIN,
                                             activation_scale)
 
@@ -151,9 +151,20 @@ def test_a_stage_compiled_whole_keeps_min_cuts_activations_and_one_16_bit_logits
         assert memory.margin == pytest.approx(
             (factor * (1 + UNSHARDED_FRAGMENTATION_MARGIN) - 1) * memory.activations
             + UNSHARDED_FRAGMENTATION_MARGIN * memory.buffers)
+    # with recompute (not measured) the layers and the loss keep eager's terms
     recompute = one.model_copy(update={"compile": True, "recompute": "full"})
-    assert evaluate(padded, cluster, recompute, 2).activation_scale == pytest.approx(
-        activation_scale("bf16", 0, "none", "fp32"))
+    recomputed = evaluate(padded, cluster, recompute, 2)
+    assert recomputed.activation_scale == pytest.approx(activation_scale("bf16", 0, "none", "fp32"))
+    assert recomputed.memory == evaluate(padded, cluster, one.model_copy(update={"recompute": "full"}), 2).memory
+    # fp32: min-cut's fp32 ratio for the layers, eager's loss (measured under bf16 autocast only)
+    fp32 = facts_for(1000, precision="fp32")
+    eager32 = evaluate(fp32, cluster, one, 2)
+    compiled32 = evaluate(fp32, cluster, one.model_copy(update={"compile": True}), 2)
+    assert compiled32.memory[0].buffers == eager32.memory[0].buffers == pytest.approx(8 * logits)
+    assert compiled32.memory[0].activations == eager32.memory[0].activations
+    assert compiled32.activation_scale == pytest.approx(
+        COMPILED_FP32_ACTIVATION_FACTOR * (1 + UNSHARDED_FRAGMENTATION_MARGIN))
+    assert eager32.activation_scale == pytest.approx(1 + UNSHARDED_FRAGMENTATION_MARGIN)
     # per-block compile (FSDP2 units): the loss stays eager
     zero3 = Strategy(dp=2, tp=1, pp=1, zero=3, microbatch=1, num_microbatches=1, compile=True)
     assert evaluate(padded, H100, zero3, 2).memory[0].buffers >= 8 * padded.seq_len * padded.vocab

@@ -66,8 +66,8 @@ def test_zero3_offload_keeps_no_sharded_state_on_the_device(small_facts):
 
 
 def test_zero3_offload_buffers_add_the_prefetched_units_fp32_host_shard():
-    """FSDP2 copies a unit's fp32 host shard to the device before casting it for the all-gather
-    (`FSDPParam.all_gather_inputs`): 4 bytes per parameter of the shard, beside the two gathered
+    """FSDP2 copies a unit's fp32 host shard to the device and casts it for the all-gather
+    (`FSDPParam.all_gather_inputs`): 4 + 2 bytes per parameter of the shard, beside the two gathered
     16-bit units that ZeRO 3 holds without offload."""
     from autopar.cost_models.memory import OFFLOAD_STAGING_BYTES_PER_PARAM, device_memory
 
@@ -76,9 +76,9 @@ def test_zero3_offload_buffers_add_the_prefetched_units_fp32_host_shard():
                   activation_bytes=0.0)
     kept = device_memory(**common)
     moved = device_memory(**common, offload="optimizer")
-    assert OFFLOAD_STAGING_BYTES_PER_PARAM == 4
+    assert OFFLOAD_STAGING_BYTES_PER_PARAM == 6
     assert kept.buffers == pytest.approx(2 * unit * 2)
-    assert moved.buffers == pytest.approx(2 * unit * 2 + unit / dp * 4)
+    assert moved.buffers == pytest.approx(2 * unit * 2 + unit / dp * (4 + 2))
     assert moved.margin == pytest.approx(0.05 * moved.buffers)
 
 

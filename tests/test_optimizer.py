@@ -110,3 +110,30 @@ def test_clipping_scale_deferred_to_the_fused_step_matches_scaling_first():
     assert len(optimizer._optimizer_step_post_hooks) == 1
     clear_gradient_scale(optimizer)
     assert optimizer.grad_scale is None
+
+
+def test_a_step_that_raises_leaves_no_deferred_scale(one_process_group):
+    """`train_step` hands the clip's scale to a fused AdamW; if the step raises, the scale is dropped
+    (a `finally`), so the next step cannot divide by a stale one."""
+    import pytest
+
+    from autopar.models import build_model
+    from autopar.runtime.parallelize import parallelize
+
+    overrides = tiny_config()
+    (batch,) = batches(overrides["vocab"], GLOBAL_BATCH, SEQ, 1)
+    plan = make_plan("gpt", overrides, dict(dp=1, tp=1, pp=1, microbatch=GLOBAL_BATCH), 1, GLOBAL_BATCH)
+    spec = build_model("gpt", overrides)
+    parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=SEED)
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR, fused=True)  # fused on the CPU: the scale defers
+    seen = []
+
+    def failing_step(*_args, **_kwargs):
+        seen.append(optimizer.grad_scale)
+        raise RuntimeError("injected")
+
+    optimizer.step = failing_step
+    with pytest.raises(RuntimeError, match="injected"):
+        parallel.train_step(batch, optimizer, max_grad_norm=1e-3)  # a small norm: the clip scales
+    assert seen and seen[0] is not None  # the scale was deferred to the step
+    assert getattr(optimizer, "grad_scale", None) is None

@@ -169,3 +169,21 @@ def test_autopar_run_compile_matches_the_uncompiled_run(_clean_env, tmp_path):
         losses[label] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses["compiled"]) == 4
     torch.testing.assert_close(torch.tensor(losses["compiled"]), torch.tensor(losses["eager"]), rtol=LOSS_RTOL, atol=0)
+
+
+def test_a_plan_priced_compiled_is_compiled_by_default_and_refused_eager(one_process_group):
+    """`parallelize` follows the plan's `compile` unless told otherwise; a plan priced compiled (whose
+    memory counts what the compiled step saves, `cost_models.compiled_stage`) is refused eager before
+    anything is built."""
+    from autopar.errors import AutoparError
+    from autopar.models import build_model
+    from autopar.runtime.parallelize import parallelize
+
+    overrides = tiny_config("gpt")
+    plan = make_plan("gpt", overrides, {"dp": 1, "tp": 1, "pp": 1, "compile": True}, 1, GLOBAL_BATCH)
+    assert plan.strategy.compile
+    spec = build_model("gpt", overrides)
+    with pytest.raises(AutoparError, match="priced compiled"):
+        parallelize(spec.module, plan, loss_fn=spec.loss_fn, compile=False)
+    parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn)  # compile=None: the plan's
+    assert parallel.forward_loss is not None and parallel.optimizations["compile"] != "off"
