@@ -197,7 +197,8 @@ def _planned(args: argparse.Namespace) -> int:
                           global_batch=args.global_batch, strategy=fixed, loss_fn=spec.loss_fn,
                           precision=args.precision, name=spec.name, seq_len=args.seq_len or spec.default_seq_len,
                           use_ilp=not args.no_ilp, profile=args.profile, profile_device=args.profile_device,
-                          progress=_say, probe_cache=None if args.no_probe_cache else default_probe_cache_dir())
+                          progress=_say, probe_cache=None if args.no_probe_cache else default_probe_cache_dir(),
+                          fork_probes=True)
     if result.fits:  # all or none; when nothing fits, none (the terminal report shows the closest plan)
         result.write(plan=args.save_plan, json_path=outputs["--json"], report=args.report, trace=args.trace)
     report = result.summary()
