@@ -10,7 +10,7 @@ The child computes exactly what this process would (the same function on the sam
 at the fork); its answer comes back pickled through a pipe. Anything else (the child raised, died,
 or sent nothing) and `result` computes it here, as if no child had run, so the answer, and any
 error, is the one the serial code gives. A forked child is used only where fork is safe and
-cheap: POSIX, and a process with no other Python threads (a live process group's threads, say).
+cheap: Linux, and a process with no other Python threads.
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ class Forked:
 
 
 def can_fork() -> bool:
-    """Whether a child may be forked here: POSIX, and no other Python thread that a fork would leave
-    holding a lock in the child."""
-    return hasattr(os, "fork") and threading.active_count() == 1
+    """Whether a child may be forked here: Linux (macOS's system libraries are not safe to use in a
+    forked child), and no other Python thread that a fork would leave holding a lock in the child."""
+    return sys.platform.startswith("linux") and threading.active_count() == 1
 
 
 def _child(compute: Callable[[], Any], write: int) -> None:

@@ -4,6 +4,7 @@ gives, and the plan command's pipeline probe in a child plans what the serial pr
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -14,7 +15,7 @@ import autopar
 from autopar.forked import Forked
 from autopar.models import build_model
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked only on Linux")
 
 
 def _reaped(pid: int) -> bool:
