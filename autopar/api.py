@@ -199,6 +199,7 @@ def plan(
     profile_device: str | None = None,
     progress: Progress | None = None,
     probe_cache: str | Path | ProbeCache | None = None,
+    fork_probes: bool = False,
 ) -> PlanResult:
     """Search the best parallel plan for training `model` on `cluster`.
 
@@ -208,7 +209,8 @@ def plan(
     (`model_hints`). `profile`: a profile database calibrating the roofline. Nothing is trained and
     the model is not modified. `probe_cache`: a folder (or `ProbeCache`) keeping the answers of the
     runtime's probes of this model (`autopar.probe_cache`), so planning it again skips them; None
-    runs them every time.
+    runs them every time. `fork_probes`: the pipeline probe runs in a forked child beside the trace
+    and the tp probe (`autopar.forked`: the same answer, sooner where a core is free).
     """
     from autopar.cost_models.context import context_parallel_refusal
     from autopar.cost_models.experts import expert_parallel_refusal
@@ -230,6 +232,8 @@ def plan(
     vocab = vocab if vocab is not None else hints["vocab"]
     name = name or type(model).__name__
     say(f"tracing {name} ({precision}" + (f", seq {seq_len}" if seq_len else "") + ") ...")
+    asks_pipeline = cluster.world_size > 1 and fixed.get("pp") != 1  # from a training-mode capture, below
+    forked = _forked_pipeline_answer(model, example_inputs, loss_fn) if fork_probes and asks_pipeline else None
     started = time.perf_counter()
     graph, fallback, twins = _capture(model, example_inputs, loss_fn=loss_fn, precision=precision, name=name,
                                       seq_len=seq_len)
@@ -246,9 +250,12 @@ def plan(
     capabilities = planning_probes.capabilities(model, example_inputs, loss_fn, precision, graph, facts, cluster,
                                                 fixed, remember, twins)
     probe = None
-    if cluster.world_size > 1 and fixed.get("pp") != 1 and not fallback:  # the cut tried on these inputs
-        probe = planning_probes.pipeline_probe(model, example_inputs, loss_fn, remember)
+    if asks_pipeline and not fallback:  # the cut tried on these inputs
+        probe = planning_probes.pipeline_probe(model, example_inputs, loss_fn, remember,
+                                               forked.result if forked is not None else None)
         capabilities = dataclasses.replace(capabilities, pipeline_refusal=probe.refusal)
+    if forked is not None:
+        forked.cancel()  # unasked (an eval-mode capture, a remembered answer): stopped; else already done
     capabilities = dataclasses.replace(capabilities, expert_parallel_refusal=expert_parallel_refusal(facts.experts),
                                        context_parallel_refusal=context_parallel_refusal(facts.attention,
                                                                                          bool(facts.experts))
@@ -269,6 +276,13 @@ def plan(
         say(f"note: {notes[-1]}")
     return PlanResult(plan=chosen, search=result, graph=graph, cluster=cluster, global_batch=global_batch,
                       seq_len=seq_len, fixed=fixed, facts=facts, capabilities=capabilities, notes=notes)
+
+
+def _forked_pipeline_answer(model: nn.Module, example_inputs: Any, loss_fn):
+    """`planning_probes.pipeline_answer`, computed in a forked child from now on (`autopar.forked`)."""
+    from autopar.forked import Forked
+
+    return Forked(lambda: planning_probes.pipeline_answer(model, example_inputs, loss_fn))
 
 
 def _pipeline_capture_note(capture: PipelineCapture) -> str:

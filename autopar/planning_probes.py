@@ -82,21 +82,26 @@ def remembering(cache: str | Path | ProbeCache | None, model: nn.Module, example
     return lambda kind, compute, **arguments: store.answer(kind, probe_key(base, **arguments), compute)
 
 
-def pipeline_probe(model: nn.Module, example_inputs: Any, loss_fn, remember: Remember):
+def pipeline_probe(model: nn.Module, example_inputs: Any, loss_fn, remember: Remember,
+                   answer: Callable[[], dict[str, Any]] | None = None):
     """`probe_pipeline`'s answer (its capture of the whole forward), remembered as plain data; asked of
     shallow twins (`autopar.graph.twin`) when the stages would be cut between the blocks of the stack
-    the twins shorten."""
+    the twins shorten. `answer`: computes `pipeline_answer` for this model (a forked child's, say)."""
+    from autopar.runtime.pipeline.schedule import PipelineProbe
+
+    found = remember("pipeline", answer or (lambda: pipeline_answer(model, example_inputs, loss_fn)))
+    return PipelineProbe(found["refusal"], dict(found["training_settings"]), tuple(found["dropped_outputs"]))
+
+
+def pipeline_answer(model: nn.Module, example_inputs: Any, loss_fn) -> dict[str, Any]:
+    """What `pipeline_probe` remembers, computed: the refusal, training settings and dropped outputs."""
     from autopar.graph.twin import twin_answer
-    from autopar.runtime.pipeline.schedule import PipelineProbe, probe_pipeline
+    from autopar.runtime.pipeline.schedule import probe_pipeline
 
-    def run() -> dict[str, Any]:
-        probe = twin_answer(model, lambda asked: probe_pipeline(asked, example_inputs, loss_fn)) \
-            if _pipeline_cuts_block_stack(model) else probe_pipeline(model, example_inputs, loss_fn)
-        return {"refusal": probe.refusal, "training_settings": dict(probe.training_settings),
-                "dropped_outputs": list(probe.dropped_outputs)}
-
-    answer = remember("pipeline", run)
-    return PipelineProbe(answer["refusal"], dict(answer["training_settings"]), tuple(answer["dropped_outputs"]))
+    probe = twin_answer(model, lambda asked: probe_pipeline(asked, example_inputs, loss_fn)) \
+        if _pipeline_cuts_block_stack(model) else probe_pipeline(model, example_inputs, loss_fn)
+    return {"refusal": probe.refusal, "training_settings": dict(probe.training_settings),
+            "dropped_outputs": list(probe.dropped_outputs)}
 
 
 def _pipeline_cuts_block_stack(model: nn.Module) -> bool:

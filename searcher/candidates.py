@@ -92,6 +92,11 @@ def completion_values(fixed: dict[str, Any], world_size: int, global_batch: int,
     # Offload is never a free choice here: `search` and `what_if` offer it only when nothing fits
     # without it (`with_offload_when_nothing_fits`).
     offload = fixed.get("offload", "none")
+    # What does not change from one completion to the next is looked up once (GPT-3 175B on 1,024
+    # GPUs has 78,168 completions): the fixed keys, and the vp choices per schedule.
+    compile_, fixed_counts = fixed.get("compile", False), fixed.get("recompute_layers")
+    zeros, recomputes = choices("zero", (0, 1, 2, 3)), choices("recompute", ("none", "selective", "full"))
+    vps_of: dict[str, list] = {}
 
     for tp, pp, cp in product(choices("tp", _divisors(world_size)), choices("pp", _divisors(world_size)),
                               choices("cp", context_degrees(world_size, seq_len))):
@@ -103,20 +108,22 @@ def completion_values(fixed: dict[str, Any], world_size: int, global_batch: int,
         per_replica = global_batch // dp if global_batch % dp == 0 else 0
         microbatches = [mb for mb in MICROBATCH_CHOICES if per_replica and per_replica % mb == 0]
         eps = choices("ep", [d for d in _divisors(dp) if experts and experts % d == 0] or [1])
+        kinds = choices("cp_kind", CP_KINDS if cp > 1 else ("ring",))
         for mb, zero, recompute, sp, schedule in product(
-            choices("microbatch", microbatches), choices("zero", (0, 1, 2, 3)),
-            choices("recompute", ("none", "selective", "full")),
+            choices("microbatch", microbatches), zeros, recomputes,
             choices("sp", (False, True) if tp > 1 else (False,)),
             choices("schedule", ("1f1b", "interleaved", "gpipe", *ZERO_BUBBLE_SCHEDULES) if pp > 1 else ("1f1b",)),
         ):
             if zero > 0 and dp * cp == 1 and "zero" not in fixed and offload == "none":
                 continue  # nothing to shard over (offload needs FSDP2, at any dp)
-            vps = choices("vp", VP_CHOICES if schedule == "interleaved" else zero_bubble_vps(schedule))
-            kinds = choices("cp_kind", CP_KINDS if cp > 1 else ("ring",))
+            vps = vps_of.get(schedule)
+            if vps is None:
+                vps = vps_of[schedule] = choices("vp", VP_CHOICES if schedule == "interleaved"
+                                                 else zero_bubble_vps(schedule))
             for vp, ep, cp_kind in product(vps, eps, kinds):
                 if dp % ep:
                     continue
-                counts = fixed.get("recompute_layers")
+                counts = fixed_counts
                 if isinstance(counts, int):  # the same count on every stage
                     counts = (counts,) * (pp * vp)
                 elif counts == "all":  # every layer: None, and `fit_recompute` leaves it so
@@ -124,7 +131,7 @@ def completion_values(fixed: dict[str, Any], world_size: int, global_batch: int,
                 yield dict(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, recompute=recompute, microbatch=mb,
                            num_microbatches=max(global_batch // (dp * mb), 1), schedule=schedule, vp=vp,
                            recompute_layers=counts, offload=offload, ep=ep, cp=cp, cp_kind=cp_kind,
-                           compile=fixed.get("compile", False), **profile)
+                           compile=compile_, **profile)
 
 
 def quick_evaluations(

@@ -23,6 +23,24 @@ def test_plan_restores_the_collector(capsys, strategy, code):
     assert gc.get_freeze_count() == 0  # nothing left out of later collections
 
 
+def test_plan_runs_with_the_collector_off(capsys, monkeypatch):
+    """The plan command turns automatic collection off while it plans (and back on after)."""
+    import autopar
+
+    seen = []
+    real_plan = autopar.plan
+
+    def plan(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(autopar, "plan", plan)
+    assert gc.isenabled()
+    assert main(PLAN_SMALL) == 0
+    capsys.readouterr()
+    assert seen == [False] and gc.isenabled()
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_importing_autopar_restores_the_collector(enabled):
     code = ("import gc\n" + ("" if enabled else "gc.disable()\n")

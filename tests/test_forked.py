@@ -1,0 +1,144 @@
+"""`autopar.forked`: a computation in a forked child gives the answer (or the error) computing it here
+gives, and the plan command's pipeline probe in a child plans what the serial probe plans."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import autopar
+from autopar.forked import Forked
+from autopar.models import build_model
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked only on Linux")
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def test_the_answer_comes_from_the_child():
+    here = os.getpid()
+    forked = Forked(lambda: (os.getpid(), [1, "two", {"three": 3.0}]))
+    pid = forked._pid
+    child, value = forked.result()
+    assert pid is not None and child == pid != here  # computed over there
+    assert value == [1, "two", {"three": 3.0}]
+    assert _reaped(pid)
+
+
+def test_an_error_in_the_child_is_met_here():
+    calls = []
+
+    def compute():
+        calls.append(os.getpid())
+        raise ValueError("the probe's own error")
+
+    forked = Forked(compute)
+    with pytest.raises(ValueError, match="the probe's own error"):
+        forked.result()
+    assert calls == [os.getpid()]  # computed again here (the child's call is in the child's memory)
+
+
+def test_a_child_that_dies_is_computed_here():
+    here = os.getpid()
+    forked = Forked(lambda: os.getpid() if os.getpid() == here else os._exit(3))
+    assert forked.result() == here
+
+
+def test_a_cancelled_child_is_stopped_and_reaped():
+    forked = Forked(lambda: time.sleep(60))
+    pid = forked._pid
+    started = time.perf_counter()
+    forked.cancel()
+    assert time.perf_counter() - started < 5 and _reaped(pid)
+    forked.cancel()  # twice: nothing left to do
+
+
+def test_a_dropped_child_is_stopped_and_reaped():
+    forked = Forked(lambda: time.sleep(60))
+    pid = forked._pid
+    del forked  # an error between the fork and `result` drops it
+    assert _reaped(pid)
+
+
+def test_with_another_thread_alive_it_computes_here():
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        forked = Forked(os.getpid)
+        assert forked._pid is None and forked.result() == os.getpid()
+    finally:
+        stop.set()
+        other.join()
+
+
+def _chosen(result) -> dict:
+    plan = result.plan.model_dump(mode="json")
+    plan["provenance"].pop("created_at")
+    return plan
+
+
+class CalledTwice(torch.nn.Module):
+    """Its first block runs again after the last: pipeline stages cannot be cut (a refusal)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.blocks[0](x)
+
+
+def _zoo(config: str):
+    spec = build_model("gpt", config)
+    return spec.module, spec.example_inputs(1), spec.loss_fn
+
+
+@pytest.mark.parametrize("model, refused", [
+    (lambda: _zoo("layers=2,hidden=32,heads=4,vocab=96,seq_len=16"), False),  # the probe cuts the model
+    (lambda: _zoo("layers=8,hidden=32,heads=4,vocab=96,seq_len=16"), False),  # ... asking shallow twins
+    (lambda: (CalledTwice(), (torch.zeros(1, 8),), lambda output, _x: output.pow(2).mean()), True),
+])
+def test_the_plan_is_the_same_with_the_pipeline_probe_forked(model, refused, monkeypatch):
+    import autopar.forked as forked
+    import autopar.planning_probes as probes
+
+    children, answered_here = [], []
+    real_init, real_answer = forked.Forked.__init__, probes.pipeline_answer
+
+    def counted(self, compute):
+        real_init(self, compute)
+        children.append(self._pid)
+
+    def answer(*args):
+        answered_here.append(os.getpid())  # a child's call is kept in the child's memory
+        return real_answer(*args)
+
+    monkeypatch.setattr(forked.Forked, "__init__", counted)
+    monkeypatch.setattr(probes, "pipeline_answer", answer)
+    module, inputs, loss_fn = model()
+    results = []
+    for fork in (False, True):
+        results.append(autopar.plan(module, inputs, loss_fn=loss_fn, global_batch=8,
+                                    cluster=autopar.load_cluster("dgx-h100", gpus=4), use_ilp=False, fork_probes=fork))
+        assert len(answered_here) == 1  # the serial plan asked here; the forked one took the child's answer
+    assert len(children) == 1 and children[0] is not None  # the second plan forked its pipeline probe
+    serial, parallel = results
+    assert parallel.capabilities.pipeline_refusal == serial.capabilities.pipeline_refusal
+    assert bool(serial.capabilities.pipeline_refusal) == refused
+    assert _chosen(parallel) == _chosen(serial)
+    assert [c.evaluation.strategy for c in parallel.search.ranked] == [c.evaluation.strategy for c in serial.search.ranked]
+    assert parallel.search.why_not == serial.search.why_not
