@@ -14,6 +14,7 @@ import torch
 import autopar
 from autopar.forked import Forked
 from autopar.models import build_model
+from test_probe_cache import CalledTwice  # its first block runs again after the last: pp refused
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked only on Linux")
 
@@ -87,19 +88,6 @@ def _chosen(result) -> dict:
     plan = result.plan.model_dump(mode="json")
     plan["provenance"].pop("created_at")
     return plan
-
-
-class CalledTwice(torch.nn.Module):
-    """Its first block runs again after the last: pipeline stages cannot be cut (a refusal)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = torch.relu(block(x))
-        return self.blocks[0](x)
 
 
 def _zoo(config: str):
