@@ -66,7 +66,7 @@ class Forked:
                 chunks.append(chunk)
         os.waitpid(self._pid, 0)
         self._pid = self._read = None
-        try:
+        try:  # the pipe was made here and only the child forked from this process writes it: no user data
             status, value = pickle.loads(b"".join(chunks))
         except Exception:  # nothing (or half) sent: the child died
             return None
