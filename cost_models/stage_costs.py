@@ -20,13 +20,14 @@ from autopar.plan_schema import Strategy, stage_rank
 from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
                                              vocab_parallel_head_collectives)
 from autopar.cost_models.communication import GroupLayout, collective_time_s
-from autopar.capabilities import gemm_padding_problem, whole_stage_problem
+from autopar.capabilities import gemm_padding_problem
 from autopar.cost_models.compute import Efficiency, UnitTime, op_time_s, unit_time
 from autopar.cost_models.context import rank_batch, replicas, unit_exchange_s
 from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_all_to_alls, unit_expert_params
 from autopar.cost_models.facts import ModelFacts, OpFacts, Unit
 from autopar.cost_models.memory import gradients_sharded, state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
+from autopar.cost_models.compiled_stage import whole_stage_compiled
 from autopar.cost_models.weight_passes import weight_pass_bytes
 
 
@@ -153,7 +154,7 @@ class Pricing:
     def timed(self, unit: Unit) -> UnitTime:
         """One rank's passes: under cp, of its share of the micro-batch's positions (`context.rank_batch`)."""
         s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
-        compiled = s.compile and (unit.layer_type is not None or whole_stage_problem(s) is None)
+        compiled = whole_stage_compiled(s) or (s.compile and unit.layer_type is not None)
         padded = unit.padded_gemms and gemm_padding_problem(s, dtype) is None
         efficiency = (dataclasses.replace(self.efficiency, compiled=compiled, padded_gemms=padded)
                       if compiled or padded else self.efficiency)
@@ -213,7 +214,7 @@ def part_token(pricing: Pricing, policy: str) -> tuple[str, int]:
     """The cache token of `unit_part`'s arguments other than the unit (one per evaluation and policy)."""
     s, cluster = pricing.strategy, pricing.cluster
     # compile: whether the code outside the layers compiles too (`Pricing.timed`)
-    compiled = s.compile and whole_stage_problem(s) is None
+    compiled = whole_stage_compiled(s)
     # padding: whether the runtime pads the misaligned linear layers (`Pricing.timed`; pp is not in the key)
     padded = gemm_padding_problem(s, pricing.facts.precision) is None
     return pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp,
