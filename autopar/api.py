@@ -209,11 +209,10 @@ def plan(
     (`model_hints`). `profile`: a profile database calibrating the roofline. Nothing is trained and
     the model is not modified. `probe_cache`: a folder (or `ProbeCache`) keeping the answers of the
     runtime's probes of this model (`autopar.probe_cache`), so planning it again skips them; None
-    runs them every time. `fork_probes`: the pipeline probe runs in a forked child beside the trace
-    and the tp probe (`autopar.forked`: the same answer, sooner where a core is free).
+    runs them every time. `fork_probes`: the pipeline probe runs in a forked child beside the trace,
+    and the tp probe in another beside the search (`autopar.forked`: the same plan, sooner where a
+    core is free).
     """
-    from autopar.cost_models.context import context_parallel_refusal
-    from autopar.cost_models.experts import expert_parallel_refusal
     from autopar.cost_models.facts import model_facts
     from autopar.cost_models.strategy import parse_strategy
     from autopar.searcher.plan_builder import build_plan
@@ -247,24 +246,21 @@ def plan(
                                                      precision=precision, name=name, seq_len=seq_len)[0],
                               seq_len) if profile else None
     remember = planning_probes.remembering(probe_cache, model, example_inputs, loss_fn)
-    capabilities = planning_probes.capabilities(model, example_inputs, loss_fn, precision, graph, facts, cluster,
-                                                fixed, remember, twins)
+    tp_probe = planning_probes.tensor_parallel_probe(model, example_inputs, loss_fn, precision, graph, facts,
+                                                     cluster, fixed, twins)
     probe = None
     if asks_pipeline and not fallback:  # the cut tried on these inputs
         probe = planning_probes.pipeline_probe(model, example_inputs, loss_fn, remember,
                                                forked.result if forked is not None else None)
-        capabilities = dataclasses.replace(capabilities, pipeline_refusal=probe.refusal)
     if forked is not None:
         forked.cancel()  # unasked (an eval-mode capture, a remembered answer): stopped; else already done
-    capabilities = dataclasses.replace(capabilities, expert_parallel_refusal=expert_parallel_refusal(facts.experts),
-                                       context_parallel_refusal=context_parallel_refusal(facts.attention,
-                                                                                         bool(facts.experts))
-                                       or planning_probes.model_context_refusal(model, loss_fn))
-    if fallback:
-        refusal = "tensor and pipeline parallelism need the training step's op graph, which could not be captured"
-        capabilities = dataclasses.replace(capabilities, tensor_parallel_refusal=refusal, pipeline_refusal=refusal)
-    result = search(graph, facts, cluster, global_batch, fixed=fixed, use_ilp=use_ilp, capabilities=capabilities,
-                    **({"efficiency": efficiency} if efficiency else {}))
+
+    def searched(tp_table):
+        capabilities = _completed_capabilities(tp_table, probe, facts, model, loss_fn, fallback)
+        return capabilities, search(graph, facts, cluster, global_batch, fixed=fixed, use_ilp=use_ilp,
+                                    capabilities=capabilities, **({"efficiency": efficiency} if efficiency else {}))
+
+    capabilities, result = _searched_with_tp_answer(tp_probe, remember, fork_probes, searched)
     chosen = build_plan(result.best, graph, facts, cluster) if result.best else None
     if chosen is not None and chosen.strategy.pp > 1 and probe is not None:
         chosen = chosen.model_copy(update={"pipeline_capture": PipelineCapture(
@@ -276,6 +272,43 @@ def plan(
         say(f"note: {notes[-1]}")
     return PlanResult(plan=chosen, search=result, graph=graph, cluster=cluster, global_batch=global_batch,
                       seq_len=seq_len, fixed=fixed, facts=facts, capabilities=capabilities, notes=notes)
+
+
+def _searched_with_tp_answer(tp_probe, remember, fork: bool, searched: Callable[[Any], tuple[Any, Any]]):
+    """`searched(table)` for the table the tp probe's answer chooses (`planning_probes.TensorParallelProbe`).
+    With `fork`, an answer not remembered is asked in a forked child while this process searches on
+    the answer most models give (the module rules run as priced); a different answer searches again
+    with it, so the result is the serial one either way."""
+    from autopar.forked import Forked
+
+    if tp_probe.ask is None:
+        return searched(tp_probe.chosen(None))
+    if not fork or remember.knows(planning_probes.TP_PROBE, **tp_probe.arguments):
+        return searched(tp_probe.chosen(remember(planning_probes.TP_PROBE, tp_probe.ask, **tp_probe.arguments)))
+    asking = Forked(tp_probe.ask)
+    found = searched(tp_probe.chosen(True))
+    if remember(planning_probes.TP_PROBE, asking.result, **tp_probe.arguments):
+        return found
+    return searched(tp_probe.chosen(False))
+
+
+def _completed_capabilities(tp_table, pipeline, facts, model: nn.Module, loss_fn, fallback: str | None):
+    """The capabilities the search gets: the tensor-parallel table chosen, with the pipeline probe's
+    refusal (`pipeline`: None when not asked) and the expert- and context-parallel refusals; a graph
+    captured in eval mode (`fallback`) refuses tensor and pipeline parallelism."""
+    from autopar.cost_models.context import context_parallel_refusal
+    from autopar.cost_models.experts import expert_parallel_refusal
+
+    found = tp_table
+    if pipeline is not None:
+        found = dataclasses.replace(found, pipeline_refusal=pipeline.refusal)
+    found = dataclasses.replace(found, expert_parallel_refusal=expert_parallel_refusal(facts.experts),
+                                context_parallel_refusal=context_parallel_refusal(facts.attention, bool(facts.experts))
+                                or planning_probes.model_context_refusal(model, loss_fn))
+    if fallback:
+        refusal = "tensor and pipeline parallelism need the training step's op graph, which could not be captured"
+        found = dataclasses.replace(found, tensor_parallel_refusal=refusal, pipeline_refusal=refusal)
+    return found
 
 
 def _forked_pipeline_answer(model: nn.Module, example_inputs: Any, loss_fn):

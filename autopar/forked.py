@@ -1,10 +1,12 @@
 """One computation run in a forked child process while this process goes on with other work.
 
-Planning runs two independent probes of the model one after the other: the pipeline probe
-(`torch.export` of shallow twins, with its imports about a second for GPT-3 175B on this project's
-2-core machine) and, after the trace, the tp dry runs. Neither reads the other's answer, so the CLI
-starts the pipeline probe in a child forked before the trace and collects its answer after the tp
-probe: on a machine with a second free core its time comes off the wall clock.
+Planning runs two independent probes of the model: the pipeline probe (`torch.export` of shallow
+twins, with its imports about a second for GPT-3 175B on this project's 2-core machine) and, after
+the trace, the tp dry runs (about a second more). Neither reads the other's answer, so the CLI
+starts the pipeline probe in a child forked before the trace, and the tp probe in one forked after
+it, while this process searches on the answer most models give and searches again only when the
+child answers otherwise (`autopar.api._searched_with_tp_answer`): on a machine with a second free
+core their time comes off the wall clock.
 
 The child computes exactly what this process would (the same function on the same model, copied
 at the fork); its answer comes back pickled through a pipe. Anything else (the child raised, died,

@@ -7,6 +7,7 @@ The costly ones (a tp dry run, the pipeline capture) are asked of shallow twins 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +32,40 @@ def capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str,
     A head that reads one token (ViT's classifier) sends less than that ledger says; such a model is
     priced from dry runs. The probe's answer is `remember`ed (`autopar.probe_cache`). `twins`: the
     capture's graphs of shallow twins (`capture.TwinGraphs`), so a twin asked is not traced again."""
+    probe = tensor_parallel_probe(model, example_inputs, loss_fn, precision, graph, facts, cluster, fixed, twins)
+    if probe.ask is None:
+        return probe.chosen(None)
+    remember = remember or (lambda _kind, compute, **_arguments: compute())
+    return probe.chosen(remember(TP_PROBE, probe.ask, **probe.arguments))
+
+
+TP_PROBE = "tp-module-rules"  # the probe cache's name for `TensorParallelProbe.ask`'s answer
+
+
+@dataclass(frozen=True)
+class TensorParallelProbe:
+    """The two capability tables `capabilities` chooses between, and the question that chooses:
+    `ask()` is whether the module rules run the Megatron layout at tp=2 and send what they price
+    (None: nothing to ask, the answer is known). `arguments`: what the answer depends on beyond
+    the model (the probe cache's key). Split out so the question can be asked in a forked child
+    (`autopar.api.plan`) while this process searches."""
+
+    table: Any  # the module rules' static table
+    dry: Any  # priced from dry runs; None when no dry run is possible
+    ask: Callable[[], bool] | None
+    arguments: dict[str, Any]
+
+    def chosen(self, rules_run_as_priced: bool | None) -> Any:
+        """The table for this answer of `ask` (None where nothing is asked)."""
+        if self.dry is None or rules_run_as_priced:
+            return self.table
+        return self.dry
+
+
+def tensor_parallel_probe(model: nn.Module, example_inputs: Any, loss_fn, precision: str, graph: OpGraph, facts,
+                          cluster: ClusterSpec, fixed: dict[str, Any],
+                          twins: TwinGraphs | None = None) -> TensorParallelProbe:
+    """The question `capabilities` asks of this model, unasked (`TensorParallelProbe`)."""
     from autopar.cost_models.facts import model_facts
     from autopar.graph.twin import twin_answer
     from autopar.runtime.tensor_parallel.realization import capabilities_for
@@ -40,46 +75,64 @@ def capabilities(model: nn.Module, example_inputs: Any, loss_fn, precision: str,
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     tp_possible = cluster.world_size > 1 and fixed.get("tp", 2) > 1
     if not tp_possible or loss_fn is None or len(inputs) != 1 or not hasattr(inputs[0], "shape"):
-        return table
+        return TensorParallelProbe(table, None, None, {})
     dry = capabilities_for(model, inputs[0], loss_fn, precision)
-    if module_rules_refusal(table, graph, facts) is None:
-        def run_as_priced(asked: nn.Module) -> bool:
-            """The probe on `asked`: the model, or a shallow twin of it (traced here)."""
-            asked_graph, asked_facts, asked_table = graph, facts, table
-            if asked is not model:
-                asked_graph = (twins.graph(asked) if twins is not None else None) or trace(
-                    asked, example_inputs, loss_fn=loss_fn, precision=precision, name=graph.model_name,
-                    seq_len=graph.seq_len)
-                asked_facts = model_facts(asked_graph, heads=facts.heads, kv_heads=facts.kv_heads, vocab=facts.vocab)
-                asked_table = capabilities_for(asked)
-            asked_dry = dry if asked is model else capabilities_for(asked, inputs[0], loss_fn, precision)
-            probe = asked_dry.tp_realization(planned_tp_placements({}, asked_graph, asked_facts, 2), 2, False, 1)
-            return probe.name == "modules" and probe.placements is None and _priced_as_sent(
-                probe, asked_graph, asked_facts, cluster, asked_table)
+    if module_rules_refusal(table, graph, facts) is not None:
+        return TensorParallelProbe(dry, None, None, {})
 
-        def rules_run_as_priced() -> bool:
-            return twin_answer(model, run_as_priced)
+    def run_as_priced(asked: nn.Module) -> bool:
+        """The probe on `asked`: the model, or a shallow twin of it (traced here)."""
+        asked_graph, asked_facts, asked_table = graph, facts, table
+        if asked is not model:
+            asked_graph = (twins.graph(asked) if twins is not None else None) or trace(
+                asked, example_inputs, loss_fn=loss_fn, precision=precision, name=graph.model_name,
+                seq_len=graph.seq_len)
+            asked_facts = model_facts(asked_graph, heads=facts.heads, kv_heads=facts.kv_heads, vocab=facts.vocab)
+            asked_table = capabilities_for(asked)
+        asked_dry = dry if asked is model else capabilities_for(asked, inputs[0], loss_fn, precision)
+        probe = asked_dry.tp_realization(planned_tp_placements({}, asked_graph, asked_facts, 2), 2, False, 1)
+        return probe.name == "modules" and probe.placements is None and _priced_as_sent(
+            probe, asked_graph, asked_facts, cluster, asked_table)
 
-        remember = remember or (lambda _kind, compute, **_arguments: compute())
-        if remember("tp-module-rules", rules_run_as_priced, precision=precision, seq_len=graph.seq_len,
-                    heads=facts.heads, kv_heads=facts.kv_heads, vocab=facts.vocab,
-                    cluster=_two_gpus(cluster).model_dump(mode="json")):
-            return table
-    return dry
+    arguments = dict(precision=precision, seq_len=graph.seq_len, heads=facts.heads, kv_heads=facts.kv_heads,
+                     vocab=facts.vocab, cluster=_two_gpus(cluster).model_dump(mode="json"))
+    return TensorParallelProbe(table, dry, lambda: bool(twin_answer(model, run_as_priced)), arguments)
 
 
 Remember = Callable[..., Any]  # remember(kind, compute, **arguments): compute()'s answer, perhaps stored
 
 
-def remembering(cache: str | Path | ProbeCache | None, model: nn.Module, example_inputs: Any, loss_fn) -> Remember:
+def remembering(cache: str | Path | ProbeCache | None, model: nn.Module, example_inputs: Any,
+                loss_fn) -> Remembering:
     """`remember` over `cache` (None: computes every time), keyed by the model (`probe_cache.model_key`)."""
-    from autopar.probe_cache import model_key, probe_key
+    from autopar.probe_cache import model_key
 
     if cache is None:
-        return lambda _kind, compute, **_arguments: compute()
-    store = cache if isinstance(cache, ProbeCache) else ProbeCache(cache)
-    base = model_key(model, example_inputs, loss_fn)
-    return lambda kind, compute, **arguments: store.answer(kind, probe_key(base, **arguments), compute)
+        return Remembering(None, None)
+    return Remembering(cache if isinstance(cache, ProbeCache) else ProbeCache(cache),
+                       model_key(model, example_inputs, loss_fn))
+
+
+class Remembering:
+    """A `Remember` over one model's entries of a probe cache (none: computes every time), which
+    can also say whether an answer is stored without computing it."""
+
+    def __init__(self, store: ProbeCache | None, base: str | None) -> None:
+        self.store, self.base = store, base
+
+    def __call__(self, kind: str, compute: Callable[[], Any], **arguments: Any) -> Any:
+        if self.store is None:
+            return compute()
+        return self.store.answer(kind, self._key(arguments), compute)
+
+    def knows(self, kind: str, **arguments: Any) -> bool:
+        """Whether `kind`'s answer for these arguments is stored (a call would not compute it)."""
+        return self.store is not None and self.store.stored(kind, self._key(arguments))
+
+    def _key(self, arguments: dict[str, Any]) -> str | None:
+        from autopar.probe_cache import probe_key
+
+        return probe_key(self.base, **arguments)
 
 
 def pipeline_probe(model: nn.Module, example_inputs: Any, loss_fn, remember: Remember,

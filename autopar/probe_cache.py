@@ -58,19 +58,33 @@ class ProbeCache:
         """The stored answer of `kind` under `key`, else `compute()` stored (JSON data only). A key
         of None (nothing to key the model by) always computes and stores nothing."""
         path = self.directory / f"{kind}-{key}.json" if key is not None else None
-        if path is not None and path.is_file():
-            try:
-                entry = json.loads(path.read_text())
-                if entry.get("format") == FORMAT and entry.get("kind") == kind:
-                    self.hits += 1
-                    return entry["answer"]
-            except (OSError, ValueError, KeyError):
-                pass  # unreadable or damaged: computed again and rewritten
+        found = self._read(path, kind)
+        if found is not None:
+            self.hits += 1
+            return found[0]
         self.runs += 1
         value = compute()
         if path is not None:
             self._store(path, {"format": FORMAT, "kind": kind, "answer": value})
         return value
+
+    def stored(self, kind: str, key: str | None) -> bool:
+        """Whether `answer(kind, key, ...)` would read its answer rather than compute it."""
+        return key is not None and self._read(self.directory / f"{kind}-{key}.json", kind) is not None
+
+    @staticmethod
+    def _read(path: Path | None, kind: str) -> tuple[Any] | None:
+        """(the stored answer,) or None: no entry, or one unreadable or damaged (computed again and
+        rewritten)."""
+        if path is None or not path.is_file():
+            return None
+        try:
+            entry = json.loads(path.read_text())
+            if entry.get("format") == FORMAT and entry.get("kind") == kind:
+                return (entry["answer"],)
+        except (OSError, ValueError, KeyError):
+            pass
+        return None
 
     def _store(self, path: Path, entry: dict) -> None:
         """Written whole or not at all (a rename), so a concurrent reader never sees half an entry;

@@ -1,8 +1,10 @@
 """`autopar.forked`: a computation in a forked child gives the answer (or the error) computing it here
-gives, and the plan command's pipeline probe in a child plans what the serial probe plans."""
+gives, and the plan command's probes in children (the pipeline probe beside the trace, the tp probe
+beside a search on its likely answer) plan what the serial probes plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -123,10 +125,59 @@ def test_the_plan_is_the_same_with_the_pipeline_probe_forked(model, refused, mon
         results.append(autopar.plan(module, inputs, loss_fn=loss_fn, global_batch=8,
                                     cluster=autopar.load_cluster("dgx-h100", gpus=4), use_ilp=False, fork_probes=fork))
         assert len(answered_here) == 1  # the serial plan asked here; the forked one took the child's answer
-    assert len(children) == 1 and children[0] is not None  # the second plan forked its pipeline probe
+    assert children and children[0] is not None  # the second plan forked its pipeline probe first
     serial, parallel = results
     assert parallel.capabilities.pipeline_refusal == serial.capabilities.pipeline_refusal
     assert bool(serial.capabilities.pipeline_refusal) == refused
     assert _chosen(parallel) == _chosen(serial)
     assert [c.evaluation.strategy for c in parallel.search.ranked] == [c.evaluation.strategy for c in serial.search.ranked]
     assert parallel.search.why_not == serial.search.why_not
+
+
+def _tp_probe_counted(monkeypatch, answer=None):
+    """Counts the tp probe's questions asked in this process (a child's are kept in the child's
+    memory); `answer`: what the probe answers instead of its dry runs."""
+    import autopar.planning_probes as probes
+
+    asked_here = []
+    real = probes.tensor_parallel_probe
+
+    def counted(*args, **kwargs):
+        found = real(*args, **kwargs)
+        if found.ask is None:
+            return found
+        ask = found.ask if answer is None else (lambda: answer)
+        return dataclasses.replace(found, ask=lambda: asked_here.append(os.getpid()) or ask())
+
+    monkeypatch.setattr(probes, "tensor_parallel_probe", counted)
+    return asked_here
+
+
+@pytest.mark.parametrize("answer", [None, False])  # the probe's own answer (the rules run as priced); the other
+def test_the_plan_is_the_same_with_the_tp_probe_forked(answer, monkeypatch, tmp_path):
+    """The tp probe asked in a child while the search runs on the likely answer: the same plan, ranking
+    and capabilities as the serial probe's; an answer other than the likely one searches again with
+    it. The answer is remembered as the serial one is, and a remembered answer forks nothing."""
+    import autopar.searcher.search as search_module
+
+    asked_here = _tp_probe_counted(monkeypatch, answer)
+    searches = []
+    real_search = search_module.search
+    monkeypatch.setattr(search_module, "search", lambda *a, **k: searches.append(k.get("fixed")) or real_search(*a, **k))
+    module, inputs, loss_fn = _zoo("layers=2,hidden=32,heads=4,vocab=96,seq_len=16")
+    options = dict(loss_fn=loss_fn, global_batch=8, cluster=autopar.load_cluster("dgx-h100", gpus=4), use_ilp=False,
+                   strategy="pp=1")  # no pipeline probe: the tp probe's child alone
+    serial = autopar.plan(module, inputs, **options)
+    assert len(asked_here) == 1 and asked_here[0] == os.getpid()
+    plans = len([fixed for fixed in searches if fixed == {"pp": 1}])
+    assert plans == 1  # the plan's own search (the probe's ledger check searches tp=2 alone)
+    parallel = autopar.plan(module, inputs, fork_probes=True, probe_cache=tmp_path, **options)
+    assert len(asked_here) == 1  # asked in the child
+    assert len([fixed for fixed in searches if fixed == {"pp": 1}]) == plans + (1 if answer is None else 2)
+    for capabilities in (serial.capabilities, parallel.capabilities):  # the same table chosen
+        assert (capabilities.tp_realization is None) == (answer is None)  # the static rules, or dry runs
+    assert _chosen(parallel) == _chosen(serial)
+    assert [c.evaluation.strategy for c in parallel.search.ranked] == [c.evaluation.strategy for c in serial.search.ranked]
+    assert parallel.search.why_not == serial.search.why_not
+    again = autopar.plan(module, inputs, fork_probes=True, probe_cache=tmp_path, **options)
+    assert len(asked_here) == 1 and _chosen(again) == _chosen(serial)  # remembered: nothing asked, nothing forked

@@ -120,3 +120,18 @@ def test_the_ilp_reads_one_index_per_graph(zoo_trace):
     del copy
     collector.collect()
     assert key not in intra_op._GRAPH_INDEXES
+
+
+def test_the_plan_command_freezes_what_is_alive_at_exit():
+    """The interpreter's last full collection skips what the plan left alive: the command registers
+    `gc.freeze` to run at exit, before any handler registered before it; nothing is frozen sooner."""
+    code = ("import atexit, gc\n"
+            "atexit.register(lambda: print('frozen at exit', gc.get_freeze_count() > 0))\n"
+            "from autopar.cli import main\n"
+            f"args = {PLAN_SMALL!r}\n"
+            "assert main(args) == 0 and main(args) == 0\n"
+            "print('frozen before exit', gc.get_freeze_count() > 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    lines = [line for line in out.splitlines() if line.startswith("frozen")]
+    assert lines[0] == "frozen before exit False"
+    assert lines[-1] == "frozen at exit True"
