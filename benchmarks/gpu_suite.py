@@ -272,6 +272,23 @@ def mfu(params: int, tokens: int, step_s: float, peak_flops: float) -> float:
     return 6 * params * tokens / step_s / peak_flops
 
 
+def attention_flops_per_token(model: str, config: str | None, seq_len: int) -> float:
+    """12 l h s: the attention score and value products of a forward and backward per token, which
+    6N leaves out. MFU counted as 6N + 12 l h s is PaLM's (Chowdhery et al. 2022, appendix B) and
+    nanoGPT's `estimate_mfu`, the accounting of issue #29's nanoGPT-style anchor (54.6%) and of the
+    published runs' "model FLOPs" (`published_runs.py`)."""
+    from autopar.models import build_model
+
+    shape = build_model(model, config).config
+    return 12 * shape.layers * shape.hidden * seq_len
+
+
+def mfu_with_attention(params: int, attention_per_token: float, tokens: int, step_s: float,
+                       peak_flops: float) -> float:
+    """(6 N + 12 l h s) tokens / step time over the dense bf16 peak (`attention_flops_per_token`)."""
+    return (6 * params + attention_per_token) * tokens / step_s / peak_flops
+
+
 def baselines(device: str, smoke: bool, steps: int) -> list[tuple[str, object]]:
     """(name, step factory) of the hand-written baselines (`gpu_baselines.py`)."""
     if smoke:
@@ -362,9 +379,14 @@ def verdicts(record: dict) -> list[dict]:
     if compiled.get("status") == "ok" and plain:
         ratio = plain["step_time_s_mean"] / compiled["step_time_s_mean"]
         goal("autopar with compile >= 1.0x plain compiled PyTorch (GPT-1.3B, batch 8)", round(ratio, 3), ratio >= 1.0)
-        goal("GPT-1.3B batch 8 MFU >= 50% (autopar, compiled)", round(compiled["mfu"], 4), compiled["mfu"] >= 0.50)
     else:
         goal("autopar with compile >= 1.0x plain compiled PyTorch", None, None, "a row did not run")
+    if compiled.get("status") == "ok":  # in both accountings: the goal's anchor counts attention, `autopar run` not
+        goal("GPT-1.3B batch 8 MFU >= 50% (autopar, compiled; 6N)", round(compiled["mfu"], 4), compiled["mfu"] >= 0.50)
+        goal("GPT-1.3B batch 8 MFU >= 50% (autopar, compiled; 6N + 12lhs, the anchor's accounting)",
+             round(compiled["mfu_with_attention"], 4), compiled["mfu_with_attention"] >= 0.50)
+    else:
+        goal("GPT-1.3B batch 8 MFU >= 50%", None, None, "the compiled row did not run")
     errors = {case: row["predicted"]["step_time_s"] / row["step_time_s_mean"] - 1 for case, row in ok.items()}
     if errors:
         worst = max(errors.values(), key=abs)
@@ -485,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
             row |= run_plan(case, planned, args.device, args.steps)
             if row["status"] == "ok":
                 row["mfu"] = mfu(params_of(model, config), batch * seq_len, row["step_time_s_mean"], peak)
+                row["mfu_with_attention"] = mfu_with_attention(
+                    params_of(model, config), attention_flops_per_token(model, config, seq_len), batch * seq_len,
+                    row["step_time_s_mean"], peak)
             if strategy and "offload=optimizer" in strategy and suite.afford(f"host rates {name}", 20):
                 row["predicted_on_this_host"] = guarded(lambda: priced_on_this_host(case, args.device))
         else:
@@ -499,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     suite.record["baselines_allocator"] = ran[-1]["optimizations"].get("allocator", "default") if ran else "default"
     gpt13_params = params_of("gpt", SMOKE_CONFIG) if args.smoke else params_of(GPT13[0], GPT13[1])
     tokens = (4 * 64) if args.smoke else 8 * GPT13[2]
+    gpt13_attention = attention_flops_per_token("gpt", SMOKE_CONFIG, 64) if args.smoke else \
+        attention_flops_per_token(GPT13[0], GPT13[1], GPT13[2])
     for name, factory in baselines(args.device, args.smoke, args.steps) if "baselines" not in skip else []:
         if not suite.afford(name, 90 if "compiled" in name else 20):
             continue
@@ -506,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"variant": name} | guarded(lambda: timed(factory(), args.device, 3, 2 * args.steps))
         if row["status"] == "ok":
             row["mfu"] = mfu(gpt13_params, tokens, row["step_time_s_mean"], peak)
+            row["mfu_with_attention"] = mfu_with_attention(gpt13_params, gpt13_attention, tokens,
+                                                           row["step_time_s_mean"], peak)
         suite.record["baselines"].append(row)
         suite.save()
         suite.say(f"{name}: {row['status']} " + (f"{row['step_time_s_mean'] * 1e3:.1f} ms, MFU {row['mfu']:.1%}"

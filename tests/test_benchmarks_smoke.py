@@ -75,6 +75,13 @@ def test_gpu_suite_runs_on_cpu(tmp_path):
     record = json.loads(out.read_text())
     assert [row["case"] for row in record["plans"]] == ["smoke-mb4", "smoke-searched"]
     assert all(row["status"] == "ok" and row["predicted"]["step_time_s"] > 0 for row in record["plans"])
+    # MFU in both accountings: 6N, and 6N + 12 l h s (2 layers, hidden 64, sequence 64), the same step time
+    from autopar.models import build_model
+
+    params = sum(p.numel() for p in build_model("gpt", "layers=2,hidden=64,heads=4,vocab=257,seq_len=64,"
+                                                       "vocab_multiple=1").module.parameters())
+    for row in record["plans"] + record["baselines"]:
+        assert row["mfu_with_attention"] == pytest.approx(row["mfu"] * (6 * params + 12 * 2 * 64 * 64) / (6 * params))
     assert record["plans"][0]["optimizations"]["vocab padding"] == "257 -> 384 rows (padded logits masked)"
     assert record["baselines_allocator"] == "not applied (not a CUDA device)"
     assert [row["variant"] for row in record["baselines"]] == ["plain eager", "reference eager"]
