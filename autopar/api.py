@@ -278,15 +278,21 @@ def _searched_with_tp_answer(tp_probe, remember, fork: bool, searched: Callable[
     """`searched(table)` for the table the tp probe's answer chooses (`planning_probes.TensorParallelProbe`).
     With `fork`, an answer not remembered is asked in a forked child while this process searches on
     the answer most models give (the module rules run as priced); a different answer searches again
-    with it, so the result is the serial one either way."""
-    from autopar.forked import Forked
+    with it, so the result (or error) is the serial one either way. Where no child can be forked
+    (`forked.can_fork`), it is asked here first, as without `fork`."""
+    from autopar.forked import Forked, can_fork
 
     if tp_probe.ask is None:
         return searched(tp_probe.chosen(None))
-    if not fork or remember.knows(planning_probes.TP_PROBE, **tp_probe.arguments):
+    if not fork or not can_fork() or remember.knows(planning_probes.TP_PROBE, **tp_probe.arguments):
         return searched(tp_probe.chosen(remember(planning_probes.TP_PROBE, tp_probe.ask, **tp_probe.arguments)))
     asking = Forked(tp_probe.ask)
-    found = searched(tp_probe.chosen(True))
+    try:
+        found = searched(tp_probe.chosen(True))
+    except Exception:  # the serial plan raises this only when the answer is the one guessed
+        if remember(planning_probes.TP_PROBE, asking.result, **tp_probe.arguments):
+            raise
+        return searched(tp_probe.chosen(False))
     if remember(planning_probes.TP_PROBE, asking.result, **tp_probe.arguments):
         return found
     return searched(tp_probe.chosen(False))

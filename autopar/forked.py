@@ -6,7 +6,7 @@ the trace, the tp dry runs (about a second more). Neither reads the other's answ
 starts the pipeline probe in a child forked before the trace, and the tp probe in one forked after
 it, while this process searches on the answer most models give and searches again only when the
 child answers otherwise (`autopar.api._searched_with_tp_answer`): on a machine with a second free
-core their time comes off the wall clock.
+core their time comes off the wall clock (for a model answering otherwise, a second search is added).
 
 The child computes exactly what this process would (the same function on the same model, copied
 at the fork); its answer comes back pickled through a pipe. Anything else (the child raised, died,

@@ -1,5 +1,6 @@
 """The runtime's answers `autopar.plan` needs before it searches: what tensor, pipeline and context
-parallelism can run on this model (`capabilities`, `pipeline_probe`, `model_context_refusal`).
+parallelism can run on this model (`tensor_parallel_probe`, or `capabilities` asking it at once;
+`pipeline_probe`, `model_context_refusal`).
 
 The costly ones (a tp dry run, the pipeline capture) are asked of shallow twins of a deep model
 (`autopar.graph.twin`) and `remember`ed on disk (`autopar.probe_cache`).

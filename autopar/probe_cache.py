@@ -2,7 +2,7 @@
 
 Before it searches, `autopar.plan` tries the runtime on the model: the pipeline cut (a torch.export
 capture of the whole forward, `runtime.pipeline.schedule.probe_pipeline`) and, where the module
-rules apply, one tensor-parallel dry run at tp=2 (`planning_probes.capabilities`). On gpt3-175b's 96 layers
+rules apply, one tensor-parallel dry run at tp=2 (`planning_probes.tensor_parallel_probe`). On gpt3-175b's 96 layers
 each took as long as the trace itself. Each answer is a function of what the key below digests,
 so a later plan of the same model reads it instead (one small JSON file per answer).
 

@@ -158,9 +158,16 @@ def test_the_plan_is_the_same_with_the_tp_probe_forked(answer, monkeypatch, tmp_
     """The tp probe asked in a child while the search runs on the likely answer: the same plan, ranking
     and capabilities as the serial probe's; an answer other than the likely one searches again with
     it. The answer is remembered as the serial one is, and a remembered answer forks nothing."""
+    import autopar.forked as forked
     import autopar.searcher.search as search_module
+    from autopar.probe_cache import ProbeCache
 
     asked_here = _tp_probe_counted(monkeypatch, answer)
+    children = []
+    real_init = forked.Forked.__init__
+    monkeypatch.setattr(forked.Forked, "__init__", lambda self, compute: real_init(self, compute)
+                        or children.append(self._pid))
+    cache = ProbeCache(tmp_path)
     searches = []
     real_search = search_module.search
     monkeypatch.setattr(search_module, "search", lambda *a, **k: searches.append(k.get("fixed")) or real_search(*a, **k))
@@ -171,13 +178,55 @@ def test_the_plan_is_the_same_with_the_tp_probe_forked(answer, monkeypatch, tmp_
     assert len(asked_here) == 1 and asked_here[0] == os.getpid()
     plans = len([fixed for fixed in searches if fixed == {"pp": 1}])
     assert plans == 1  # the plan's own search (the probe's ledger check searches tp=2 alone)
-    parallel = autopar.plan(module, inputs, fork_probes=True, probe_cache=tmp_path, **options)
-    assert len(asked_here) == 1  # asked in the child
+    parallel = autopar.plan(module, inputs, fork_probes=True, probe_cache=cache, **options)
+    assert len(asked_here) == 1 and len(children) == 1 and children[0] is not None  # asked in a child
+    assert (cache.runs, cache.hits) == (1, 0) and len(list(tmp_path.glob("tp-module-rules-*.json"))) == 1
     assert len([fixed for fixed in searches if fixed == {"pp": 1}]) == plans + (1 if answer is None else 2)
     for capabilities in (serial.capabilities, parallel.capabilities):  # the same table chosen
         assert (capabilities.tp_realization is None) == (answer is None)  # the static rules, or dry runs
     assert _chosen(parallel) == _chosen(serial)
     assert [c.evaluation.strategy for c in parallel.search.ranked] == [c.evaluation.strategy for c in serial.search.ranked]
     assert parallel.search.why_not == serial.search.why_not
-    again = autopar.plan(module, inputs, fork_probes=True, probe_cache=tmp_path, **options)
-    assert len(asked_here) == 1 and _chosen(again) == _chosen(serial)  # remembered: nothing asked, nothing forked
+    again = autopar.plan(module, inputs, fork_probes=True, probe_cache=cache, **options)
+    assert len(asked_here) == 1 and len(children) == 1  # remembered: nothing asked, nothing forked
+    assert (cache.runs, cache.hits) == (1, 1) and _chosen(again) == _chosen(serial)
+
+
+def test_a_search_that_fails_on_the_guessed_answer_is_searched_again_on_the_childs(monkeypatch):
+    """The search on the guessed answer raising is the serial plan's error only when the child answers
+    as guessed; otherwise the plan is the serial one."""
+    import autopar.api as api
+
+    _tp_probe_counted(monkeypatch, False)
+    module, inputs, loss_fn = _zoo("layers=2,hidden=32,heads=4,vocab=96,seq_len=16")
+    options = dict(loss_fn=loss_fn, global_batch=8, cluster=autopar.load_cluster("dgx-h100", gpus=4), use_ilp=False,
+                   strategy="pp=1")
+    serial = autopar.plan(module, inputs, **options)
+    real = api._completed_capabilities
+    guessed = []
+
+    def failing_on_the_static_table(tp_table, *rest):
+        if tp_table.tp_realization is None:  # the module rules' static table: the guess
+            guessed.append(tp_table)
+            raise api.AutoparError("no strategy on the guessed table")
+        return real(tp_table, *rest)
+
+    monkeypatch.setattr(api, "_completed_capabilities", failing_on_the_static_table)
+    parallel = autopar.plan(module, inputs, fork_probes=True, **options)
+    assert len(guessed) == 1 and _chosen(parallel) == _chosen(serial)
+
+
+def test_without_a_child_the_tp_probe_is_asked_before_the_search(monkeypatch):
+    """Where no child can be forked, the probe is asked first (one search), as without fork_probes."""
+    import autopar.forked as forked
+    import autopar.searcher.search as search_module
+
+    asked_here = _tp_probe_counted(monkeypatch, False)
+    monkeypatch.setattr(forked, "can_fork", lambda: False)
+    searches = []
+    real_search = search_module.search
+    monkeypatch.setattr(search_module, "search", lambda *a, **k: searches.append(k.get("fixed")) or real_search(*a, **k))
+    module, inputs, loss_fn = _zoo("layers=2,hidden=32,heads=4,vocab=96,seq_len=16")
+    autopar.plan(module, inputs, loss_fn=loss_fn, global_batch=8, cluster=autopar.load_cluster("dgx-h100", gpus=4),
+                 use_ilp=False, strategy="pp=1", fork_probes=True)
+    assert asked_here == [os.getpid()] and searches.count({"pp": 1}) == 1
