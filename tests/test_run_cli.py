@@ -15,7 +15,7 @@ MODEL = ["--model", "gpt", "--model-config", "layers=2,hidden=32,heads=4,vocab=6
 TRAIN = [*MODEL, "--global-batch", "4", "--lr", "3e-3", "--seed", "7", "--data", "synthetic"]
 BYTES = ["--model", "gpt", "--model-config", "layers=2,hidden=32,heads=4,vocab=257,seq_len=32", "--cluster", "local",
          "--global-batch", "8", "--lr", "3e-3", "--log-every", "1"]
-KEYS = {"step", "loss", "tokens_per_s", "mfu", "mfu_nominal", "peak_memory_bytes"}
+KEYS = {"step", "loss", "tokens_per_s", "mfu", "mfu_as_planned", "mfu_nominal", "peak_memory_bytes"}
 PROGRESS = ("tracing ", "searching ")
 
 
@@ -55,8 +55,13 @@ def test_one_process_trains_and_writes_metrics(single_run):
     assert losses[-1] < losses[0] - 0.3, losses  # the synthetic stream is learnable: the loss really falls
     assert "synthetic" in out and "dp=1 tp=1 pp=1" in out
     # the log says once what its "MFU (nominal)" is relative to
-    assert out.count("MFU (nominal) = 6 × parameters × tokens/s per device, over a placeholder fp32 peak of "
-                     "1 TFLOP/s for cpu, a device known only nominally") == 1
+    assert out.count("MFU (nominal) = 6 × parameters × tokens/s per device (as planned: the plan's model FLOPs "
+                     "per token, attention included, as its predicted MFU counts them), over a placeholder fp32 "
+                     "peak of 1 TFLOP/s for cpu, a device known only nominally") == 1
+    # as planned: the plan's FLOPs per token, the same ratio to 6N at every step (attention and the padded
+    # head's rows counted)
+    ratios = {round(r["mfu_as_planned"] / r["mfu"], 9) for r in records}
+    assert len(ratios) == 1 and ratios.pop() > 1
     assert sum(line.startswith("step ") for line in out.splitlines()) == 6
     assert not dist.is_initialized()  # the group the run made for itself is gone
 
@@ -264,3 +269,18 @@ def test_under_torchrun_rank_0_alone_searches_and_every_rank_gets_its_plan_or_re
     assert first == second  # rank 1 never searched (it would have raised): it holds rank 0's answers
     assert json.loads(first["plan"])["strategy"]["dp"] == 2
     assert "not divisible" in first["refusal"][0] and first["refusal"][1] == 2
+
+
+def test_mfu_as_planned_counts_the_plans_model_flops():
+    """`planned_flops_per_token` reads back, from a plan's prediction, the traced FLOPs per token its
+    MFU counts (`ModelFacts.flops_per_sample` over the sequence), on any strategy."""
+    import autopar
+    from autopar.models import build_model
+    from autopar.runtime.training_loop import planned_flops_per_token
+
+    spec = build_model("gpt", "layers=2,hidden=64,heads=4,vocab=257,seq_len=64")
+    for strategy in ("dp=8", "tp=2,pp=2,dp=2"):
+        planned = autopar.plan(spec.module, spec.example_inputs(1, 64), loss_fn=spec.loss_fn, global_batch=16,
+                               cluster=autopar.load_cluster("dgx-h100", gpus=8), strategy=strategy, use_ilp=False)
+        assert planned_flops_per_token(planned.plan) == pytest.approx(planned.facts.flops_per_sample / 64, rel=1e-9)
+    assert planned_flops_per_token(planned.plan.model_copy(update={"predicted": None})) is None

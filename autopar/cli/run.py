@@ -275,7 +275,8 @@ def _mfu_basis_text(cluster, precision: str, device_type: str, nominal: bool) ->
 
     basis = mfu_basis(cluster, precision)
     running_on = device_type if nominal and basis is not None and not basis.nominal else None
-    return mfu_text(basis, flops="6 × parameters × tokens/s per device", running_on=running_on)
+    return mfu_text(basis, flops="6 × parameters × tokens/s per device (as planned: the plan's model FLOPs per "
+                                 "token, attention included, as its predicted MFU counts them)", running_on=running_on)
 
 
 def _peak_flops(cluster, precision: str, world_size: int) -> float | None:
