@@ -44,7 +44,7 @@ def test_a_user_allocator_row_is_shown_but_not_a_memory_goal(gpu_rows, tmp_path,
     gpu_rows.table([path])
     out = capsys.readouterr().out
     assert "not a goal" in out
-    assert "goal <= 2%: met" in out  # the only under-predicted row is the user's
+    assert "no row priced ran under the runtime's allocator setting" in out  # the only row is the user's: no goal
     path.write_text(json.dumps({"plans": [own]}))
     gpu_rows.table([path])
     assert "goal <= 2%: missed" in capsys.readouterr().out
@@ -59,5 +59,24 @@ def test_a_row_run_before_the_runtime_set_its_allocator_is_reported_apart(gpu_ro
     gpu_rows.table([path])
     out = capsys.readouterr().out
     assert "before the runtime set expandable segments: not a goal" in out
-    assert "goal <= 2%: met" in out
+    assert "no row priced ran under the runtime's allocator setting" in out
     assert "under the default allocator (not a goal): worst memory under-prediction +100.0%" in out
+
+
+def test_rows_a_profile_cannot_price_are_shown_and_the_table_goes_on(gpu_rows, tmp_path, capsys, monkeypatch):
+    """A profile database holds one device's ops: a row measured on another is listed as not priced
+    from it, with the reason, and the rest of the table is printed (it stopped with a traceback)."""
+    from autopar.errors import AutoparError
+
+    def predict(row, profile=None):
+        raise AutoparError("cannot tell which device of the profile database is a H200-SXM-141GB")
+
+    monkeypatch.setattr(gpu_rows, "predict", predict)
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"cluster": "dgx-h200", "plans": [ROW, {**ROW, "case": "mb2-again"}]}))
+    assert gpu_rows.table([path], profile=tmp_path / "h100.db") == 0
+    out = capsys.readouterr().out
+    assert out.count("not priced with this profile: cannot tell which device") == 2
+    assert "no row priced ran under the runtime's allocator setting" in out
+    with pytest.raises(AutoparError):  # without a profile the error is not the profile's: it stops the table
+        gpu_rows.table([path])
