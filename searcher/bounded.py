@@ -44,7 +44,8 @@ def bounded_quick_evaluations(
 ) -> tuple[list[Evaluation], int, dict[str, int]]:
     """`quick_evaluations` (same arguments, same count and rejections, evaluations in enumeration order)
     less the completions that rank after the first `keep` by `rank_key` and that no group's best can be.
-    `rank_key(e)[:2]` must be (not e.fits, round(e.step_time_s, 9))."""
+    `rank_key(e)[:2]` must be (False, round(e.step_time_s, 9)) for an `e` that fits, and start with True for
+    one that does not (its order among those is free: the bound is compared only with a fitting `keep`-th)."""
     cache = cache if cache is not None else CostCache()
     facts = priced_as_run(facts, fixed)
     valid, count, rejected = valid_strategies(facts, cluster, fixed, global_batch, layers=layers, supports=supports)

@@ -212,9 +212,12 @@ def _placements_checked_once(capabilities: Capabilities) -> Capabilities:
 
 def _rank_key(evaluation: Evaluation) -> tuple:
     s = evaluation.strategy
-    # Fitting plans first, then speed; ties broken by a fixed order of the knobs (determinism).
-    return (not evaluation.fits, round(evaluation.step_time_s, 9), s.pp, s.tp, s.zero, s.microbatch,
-            s.schedule, s.vp, s.recompute, s.sp, s.recompute_layers or (), s.cp, s.cp_kind)
+    # Fitting plans first, the fastest first. Plans that do not fit follow, the closest to fitting first
+    # (the least peak memory, as the why-not rows' `_best_of`): when nothing fits, the plan shown and
+    # the "closest" the user is told of. Ties broken by a fixed order of the knobs (determinism).
+    step_s = round(evaluation.step_time_s, 9)
+    return (not evaluation.fits, step_s if evaluation.fits else evaluation.peak_memory_bytes, step_s, s.pp, s.tp,
+            s.zero, s.microbatch, s.schedule, s.vp, s.recompute, s.sp, s.recompute_layers or (), s.cp, s.cp_kind)
 
 
 class Refiner:

@@ -58,6 +58,14 @@ def test_no_fit_advice_never_suggests_what_is_already_set(unfit):
     assert "a zero stage above 1" in at_zero1 and "recompute" not in at_zero1.split("):", 1)[1]
 
 
+def test_when_nothing_fits_the_plan_shown_is_the_closest_to_fitting(unfit):
+    """The plan shown and the "closest" the reason names are the least memory of those refined (the
+    fastest that does not fit needed more: the reason named its memory as the closest's)."""
+    peaks = [c.evaluation.peak_memory_bytes for c in unfit.search.ranked]
+    assert unfit.prediction.peak_memory_bytes == min(peaks) and peaks == sorted(peaks)
+    assert f"the closest needs {min(peaks) / 2**30:.1f} GiB" in unfit.no_fit_reason()
+
+
 def test_no_plan_is_written_when_none_fits(unfit, tmp_path):
     with pytest.raises(autopar.AutoparError, match="no plan fits"):
         unfit.write(plan=tmp_path / "plan.json", json_path=tmp_path / "summary.json")
