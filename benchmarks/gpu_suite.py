@@ -506,9 +506,10 @@ def main(argv: list[str] | None = None) -> int:
             row |= {"strategy": planned["strategy"], "predicted": planned["predicted"]}
             row |= run_plan(case, planned, args.device, args.steps)
             if row["status"] == "ok":
-                row["mfu"] = mfu(params_of(model, config), batch * seq_len, row["step_time_s_mean"], peak)
+                params = params_of(model, config)
+                row["mfu"] = mfu(params, batch * seq_len, row["step_time_s_mean"], peak)
                 row["mfu_with_attention"] = mfu_with_attention(
-                    params_of(model, config), attention_flops_per_token(model, config, seq_len), batch * seq_len,
+                    params, attention_flops_per_token(model, config, seq_len), batch * seq_len,
                     row["step_time_s_mean"], peak)
             if strategy and "offload=optimizer" in strategy and suite.afford(f"host rates {name}", 20):
                 row["predicted_on_this_host"] = guarded(lambda: priced_on_this_host(case, args.device))
