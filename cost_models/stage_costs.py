@@ -425,7 +425,7 @@ def _stage_sums(pricing: Pricing, units: Sequence[Unit], index: int, tokens: dic
 def _weight_passes_s(pricing: Pricing, sums: _StageSums) -> tuple[float, float]:
     """One micro-batch's passes over the stage's weights outside its GEMMs (`cost_models.weight_passes`):
     (forward, backward), on the HBM roofline."""
-    recomputed = sum(held for held, policy in zip(sums.held, sums.policies) if policy == "full")
+    recomputed = sum(held for held, policy in zip(sums.held, sums.policies) if policy != "none")
     moved = weight_pass_bytes(sum(sums.held), recomputed, pricing.strategy, pricing.facts.precision)
     bandwidth = pricing.cluster.gpu.hbm_bandwidth_bytes_per_s * pricing.efficiency.memory
     return moved[0] / bandwidth, moved[1] / bandwidth

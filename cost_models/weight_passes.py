@@ -3,8 +3,9 @@ runtime makes them.
 
 Mixed precision in the runtime is autocast over fp32 weights (`memory.autocast_states`):
 - each micro-batch's forward casts every weight to 16 bits: read 4 B, write 2 B per parameter,
-  and again in the recompute of a fully recomputed layer (the cast cache lives only inside the
-  forward's autocast region);
+  and again in the recompute of a recomputed layer, full or selective (the cast cache lives only
+  inside the forward's autocast region, and selective recompute saves GEMM outputs, not the casts:
+  `runtime.recompute`);
 - its backward casts each weight's 16-bit gradient back to fp32: read 2 B, write 4 B.
 
 From the second micro-batch on, autograd adds each new gradient into the one held (AccumulateGrad):
@@ -47,7 +48,7 @@ def accumulated_element_bytes(precision: str, zero: int, offload: str, optimizer
 
 def weight_pass_bytes(params: float, recomputed_params: float, strategy, precision: str) -> tuple[float, float]:
     """(forward, backward) bytes one micro-batch moves over a stage's `params` (tp-local) outside the
-    GEMMs; `recomputed_params`: those of fully recomputed layers, whose recompute casts again (its
+    GEMMs; `recomputed_params`: those of recomputed layers, whose recompute casts again (its
     bytes are in the backward, where the recompute runs)."""
     s = strategy
     if not s.weight_passes:

@@ -105,7 +105,7 @@ def test_compile_fuses_the_whole_stage_or_only_the_blocks(padded):
 def test_per_micro_batch_weight_passes_are_their_bytes_over_the_hbm(padded):
     """Autocast over fp32 weights casts each weight forward (6 B per parameter) and its gradient back
     (6 B) every micro-batch; micro-batches after the first add their gradients into .grad (12 B);
-    a fully recomputed layer casts again. `weight_passes=false` (Megatron-LM) moves none of it."""
+    a recomputed layer (full or selective) casts again. `weight_passes=false` (Megatron-LM) moves none of it."""
     cluster = load_cluster("dgx-h100", gpus=1)
     bandwidth = cluster.gpu.hbm_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.memory
     params = padded.num_params
@@ -124,6 +124,11 @@ def test_per_micro_batch_weight_passes_are_their_bytes_over_the_hbm(padded):
     full, full_off = compute_s(num_microbatches=1, recompute="full"), without(num_microbatches=1, recompute="full")
     layers = sum(u.params for u in padded.units if u.layer_type is not None)
     step = full["compute"] + full["recompute"] - full_off["compute"] - full_off["recompute"]
+    assert step == pytest.approx((params * 12 + layers * 6) / bandwidth, rel=1e-6)
+    # selective recompute saves the GEMMs' outputs, not the casts: its recompute casts again too
+    selective = compute_s(num_microbatches=1, recompute="selective")
+    selective_off = without(num_microbatches=1, recompute="selective")
+    step = selective["compute"] + selective["recompute"] - selective_off["compute"] - selective_off["recompute"]
     assert step == pytest.approx((params * 12 + layers * 6) / bandwidth, rel=1e-6)
     zero3 = compute_s(num_microbatches=4, zero=3)  # bf16 shards gathered by FSDP2: no autocast casts
     zero3_off = without(num_microbatches=4, zero=3)
@@ -196,3 +201,38 @@ def test_the_compiled_activation_model_covers_what_min_cut_saves(monkeypatch):
     plan = Strategy(dp=1, tp=1, pp=1, microbatch=batch, num_microbatches=1, compile=True)
     modelled = evaluate(facts, load_cluster("dgx-h100", gpus=1), plan, batch).memory[0].activations
     assert saved <= COMPILED_ACTIVATION_FACTOR * modelled <= 1.05 * saved
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_the_runtimes_recompute_casts_the_weights_again_under_autocast(policy):
+    """What the weight-pass term above prices: under autocast over fp32 weights, the runtime's
+    recompute (`runtime.recompute`) casts each weight of the layer to 16 bits again in backward."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.runtime.recompute import apply_recompute
+
+    class WeightCasts(TorchDispatchMode):
+        def __init__(self, weights):
+            super().__init__()
+            self.weights, self.count = weights, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and any(args[0] is w for w in self.weights):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def backward_casts(recompute: str) -> int:
+        torch.manual_seed(0)
+        layer = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                    torch.nn.Linear(64, 32))
+        apply_recompute(torch.nn.ModuleDict({"layer": layer}), ["layer"], recompute)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = layer(torch.randn(2, 8, 32, requires_grad=True)).float().sum()
+        weights = [layer[1].weight, layer[1].bias, layer[3].weight, layer[3].bias]
+        with WeightCasts(weights) as casts:
+            loss.backward()
+        return casts.count
+
+    assert backward_casts("none") == 0
+    assert backward_casts(policy) == 4  # both linears' weights and biases, cast again
