@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from autopar.gradient_norm import squares_sum
+
 HOST_OPTIMIZER_PARAMS = 2**25  # 128 MiB per fp32 tensor: far past any CPU cache
 PCIE_BYTES = 2**28
 REPEATS = 3
@@ -21,8 +23,8 @@ REPEATS = 3
 
 def host_optimizer_params_per_s(params: int = HOST_OPTIMIZER_PARAMS, repeats: int = REPEATS) -> float:
     """Parameters per second this host (all its threads) steps offloaded shards at, as the runtime
-    does (`ParallelModel.train_step`): the gradients' norm as foreach kernels (`clip_grad_norm_`, on
-    the host under offload), then torch's fused CPU AdamW scaling them in its own pass
+    does (`ParallelModel.train_step`): the gradients' norm (`clip_grad_norm_`, on the host under
+    offload: `autopar.gradient_norm`), then torch's fused CPU AdamW scaling them in its own pass
     (`runtime.optimizer`). The best of `repeats` steps over eight tensors."""
     shards = [torch.nn.Parameter(torch.randn(params // 8)) for _ in range(8)]
     for shard in shards:
@@ -36,8 +38,7 @@ def host_step(shards: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_
     """Clip the shards' gradients to `max_norm` as the runtime does under offload: one norm pass, and
     the scale applied inside the fused step (the runtime's `runtime.optimizer.defer_gradient_scale`;
     not imported here, below the runtime)."""
-    grads = [shard.grad for shard in shards]
-    norm = torch.stack(torch._foreach_norm(grads, 2.0)).pow(2).sum().sqrt()
+    norm = squares_sum([shard.grad for shard in shards]).sqrt()
     optimizer.grad_scale = 1.0 / (max_norm / (norm + 1e-6)).clamp(max=1.0)
     optimizer.step()
     optimizer.grad_scale = None

@@ -5,7 +5,9 @@ weight, gradient and two moments, write weight and moments) over the node's host
 times `cost_models.offload.CPU_ADAM_EFFICIENCY`. No published figure gives that fraction for
 torch's Adam, so this measures it: torch's AdamW step on CPU (`--implementation fused`, what the
 runtime steps offloaded shards with, `runtime.optimizer`; or `foreach`, torch's default) against a
-plain copy (2 bytes moved per byte copied, STREAM's copy) on the same threads and sizes.
+plain copy (2 bytes moved per byte copied, STREAM's copy) on the same threads and sizes. It also
+times the clipping's norm over the same gradients, as torch's foreach norm runs it on the host (one
+thread per tensor) and as the runtime does (`autopar.gradient_norm`, by rows over the threads).
 
     python benchmarks/cpu_adam_rate.py [--params 20000000] [--threads 1] [--implementation fused]
 """
@@ -18,6 +20,8 @@ import platform
 import time
 
 import torch
+
+from autopar.gradient_norm import squares_sum
 
 ADAM_BYTES_PER_PARAM = 28
 
@@ -57,6 +61,11 @@ def main() -> None:
     print(f"Adam step: {args.params / adam_s / 1e6:.1f} M params/s = {adam_bytes_per_s / 1e9:.2f} GB/s moved")
     print(f"copy:      {copy_bytes_per_s / 1e9:.2f} GB/s moved")
     print(f"Adam / copy = {adam_bytes_per_s / copy_bytes_per_s:.2f}")
+    grads = [p.grad for p in params]
+    foreach_s = best_of(args.repeats, lambda: torch._foreach_norm(grads, 2.0))
+    rows_s = best_of(args.repeats, lambda: squares_sum(grads))
+    print(f"gradient norm: foreach {args.params * 4 / foreach_s / 1e9:.2f} GB/s read, "
+          f"by rows (the runtime's) {args.params * 4 / rows_s / 1e9:.2f} GB/s read")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError
+from autopar.gradient_norm import squares_sum
 from autopar.graph.capture import model_fingerprint
 from autopar.plan_schema import Plan
 from autopar.capabilities import whole_stage_problem
@@ -191,9 +192,8 @@ class ParallelModel:
             copies *= tied.get(name, 1)
             groups.setdefault((copies, local.device, local.dtype), []).append(local)
         squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
-        for (copies, _, _), locals_ in groups.items():  # on the host under offload
-            norms = torch._foreach_norm(locals_, 2.0)
-            squares += torch.stack(norms).float().pow(2).sum().to(squares.device) / copies
+        for (copies, _, _), locals_ in groups.items():  # on the host under offload: `autopar.gradient_norm`
+            squares += squares_sum(locals_).to(squares.device) / copies
         dist.all_reduce(squares)
         norm = squares.sqrt()
         if max_norm > 0:
