@@ -258,7 +258,8 @@ def plan(
     def searched(tp_table):
         capabilities = _completed_capabilities(tp_table, probe, facts, model, loss_fn, fallback)
         return capabilities, search(graph, facts, cluster, global_batch, fixed=fixed, use_ilp=use_ilp,
-                                    capabilities=capabilities, **({"efficiency": efficiency} if efficiency else {}))
+                                    capabilities=capabilities, progress=progress,
+                                    **({"efficiency": efficiency} if efficiency else {}))
 
     capabilities, result = _searched_with_tp_answer(tp_probe, remember, fork_probes, searched)
     chosen = build_plan(result.best, graph, facts, cluster) if result.best else None

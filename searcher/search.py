@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities
 from autopar.cluster import ClusterSpec
@@ -56,6 +56,10 @@ from autopar.searcher.tp_placements import megatron_checked, one_each_proposal, 
 from autopar.searcher.why_not import WhyNot, compared_groups, why_not_rows
 
 REFINE_TOP = 12
+# A refined candidate that took this long is reported to `progress`: a tp dry run of a large model
+# through DTensor takes tens of seconds (Mixtral-8x7B: about 12 s a dry run, two per candidate, on
+# this project's 2-core VM); the quick ones stay silent.
+SLOW_REFINE_S = 5.0
 
 
 @dataclass
@@ -156,9 +160,11 @@ def _search_once(
     efficiency: Efficiency = DEFAULT_EFFICIENCY,
     use_ilp: bool = True,
     exhaustive: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
     """`exhaustive`: price every valid completion for the quick ranking, not only those that can
-    change the answer (`searcher.bounded`; the same result, slower: what the tests compare it with)."""
+    change the answer (`searcher.bounded`; the same result, slower: what the tests compare it with).
+    `progress`: told of each refined candidate that took `SLOW_REFINE_S` or more."""
     started = time.perf_counter()
     fixed = dict(fixed or {})
     layers = layers if layers is not None else max(len(facts.layer_units), 1)
@@ -178,7 +184,7 @@ def _search_once(
     quick.sort(key=_rank_key)
 
     refiner = Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities, cache)
-    ranked = [candidate for e in quick[:REFINE_TOP] if (candidate := refiner.refine(e.strategy)) is not None]
+    ranked = _refined(refiner, [e.strategy for e in quick[:REFINE_TOP]], progress)
     if not ranked:
         raise AutoparError("no candidate strategy runs on this model: every tensor-parallel layout the search "
                            "refined failed its dry run; leave tp free or set tp=1")
@@ -191,6 +197,20 @@ def _search_once(
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,
         ilp_solve_s=refiner.ilp_solve_s, ilp_refused=refiner.ilp_refused, ilp_budgeted=refiner.ilp_budgeted,
     )
+
+
+def _refined(refiner: "Refiner", strategies: list[Strategy], progress: Callable[[str], None] | None) -> list:
+    """Each strategy refined (those that run), saying so to `progress` after a slow one."""
+    ranked, started = [], time.perf_counter()
+    for index, strategy in enumerate(strategies, start=1):
+        began = time.perf_counter()
+        candidate = refiner.refine(strategy)
+        if candidate is not None:
+            ranked.append(candidate)
+        now = time.perf_counter()
+        if progress is not None and now - began >= SLOW_REFINE_S:
+            progress(f"refined {index} of {len(strategies)} candidates in {now - started:.0f} s ...")
+    return ranked
 
 
 def _placements_checked_once(capabilities: Capabilities) -> Capabilities:

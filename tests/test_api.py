@@ -125,3 +125,26 @@ def test_a_model_with_a_data_dependent_training_branch_is_planned_from_its_eval_
         autopar.plan(model, torch.zeros(1, 800, device="meta"), loss_fn=lambda out, x: out.logits.float().mean(),
                      precision="fp32", cluster=autopar.load_cluster("dgx-h100", gpus=4), global_batch=8,
                      strategy="tp=2", use_ilp=False)
+
+
+def test_slow_refinements_are_reported_as_progress(monkeypatch):
+    """A refined candidate that takes `SLOW_REFINE_S` or more (tp dry runs of a large model) is
+    reported, numbered, through `autopar.plan`'s progress; quick ones are not."""
+    from autopar.models import build_model
+    from autopar.searcher import search as search_module
+
+    spec = build_model("gpt", "layers=2,hidden=64,heads=4,seq_len=32,vocab=128")
+    cluster = autopar.load_cluster("dgx-h100", gpus=2)
+
+    def planned(threshold_s: float) -> list[str]:
+        monkeypatch.setattr(search_module, "SLOW_REFINE_S", threshold_s)
+        notes: list[str] = []
+        autopar.plan(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, cluster=cluster, global_batch=4,
+                     use_ilp=False, progress=notes.append)
+        return [note for note in notes if note.startswith("refined ")]
+
+    assert planned(3600.0) == []
+    reported = planned(0.0)
+    total = int(reported[0].split(" of ")[1].split()[0])
+    assert [note.split(" of ")[0] for note in reported] == [f"refined {i}" for i in range(1, total + 1)]
+    assert all(note.endswith(" s ...") for note in reported)
