@@ -5,7 +5,12 @@ Mixed precision in the runtime is autocast over fp32 weights (`memory.autocast_s
 - each micro-batch's forward casts every weight to 16 bits: read 4 B, write 2 B per parameter,
   and again in the recompute of a recomputed layer, full or selective (the cast cache lives only
   inside the forward's autocast region, and selective recompute saves GEMM outputs, not the casts:
-  `runtime.recompute`);
+  `runtime.recompute`). With pipeline stages the runtime runs the whole schedule in one autocast
+  region (`ParallelModel.forward_backward`), so without recompute the forward casts once per step,
+  a 1/n share per micro-batch (`_casts_once_per_step`). With recompute each checkpoint's recompute
+  enters and leaves autocast again (on CUDA on autograd's device thread), and leaving it may clear
+  the cast cache the forward relies on (torch's cache is shared across threads, the nesting that
+  clears it is per thread): not measured, so that case keeps a cast per micro-batch;
 - its backward casts each weight's 16-bit gradient back to fp32: read 2 B, write 4 B.
 
 From the second micro-batch on, autograd adds each new gradient into the one held (AccumulateGrad):
@@ -55,10 +60,18 @@ def weight_pass_bytes(params: float, recomputed_params: float, strategy, precisi
         return 0.0, 0.0
     forward = backward = 0.0
     if autocast_states(precision, s.zero, s.offload, s.optimizer_state):
-        forward = CAST_FORWARD_BYTES * params
+        forward = CAST_FORWARD_BYTES * params / (s.num_microbatches if _casts_once_per_step(s) else 1)
         backward = CAST_BACKWARD_BYTES * params + CAST_FORWARD_BYTES * recomputed_params
     if s.num_microbatches > 1:
         shards = replicas(s) if gradients_sharded(s.zero, s.pp) else 1
         element = accumulated_element_bytes(precision, s.zero, s.offload, s.optimizer_state)
         backward += 3 * element * params / shards * (s.num_microbatches - 1) / s.num_microbatches
     return forward, backward
+
+
+def _casts_once_per_step(strategy) -> bool:
+    """Pipeline stages without recompute: one autocast region holds the step's forwards, and
+    nothing leaves autocast before the step ends, so each weight is cast once (tested on CPU,
+    `tests/test_gpu_cost_terms.py`)."""
+    recomputes = strategy.recompute != "none" and any(strategy.recompute_layers or (1,))
+    return strategy.pp > 1 and not recomputes

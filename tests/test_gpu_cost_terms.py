@@ -236,3 +236,43 @@ def test_the_runtimes_recompute_casts_the_weights_again_under_autocast(policy):
 
     assert backward_casts("none") == 0
     assert backward_casts(policy) == 4  # both linears' weights and biases, cast again
+
+
+def test_pipeline_stages_without_recompute_cast_each_weight_once_per_step():
+    """The runtime runs a pipeline schedule in one autocast region (`ParallelModel.forward_backward`):
+    without recompute nothing leaves autocast before the step ends, so each weight is cast once,
+    whatever the micro-batches (here four, forward and backward interleaved as 1F1B does), and the
+    weight-pass term charges each micro-batch a 1/n share. With recompute, or without stages, a
+    cast per micro-batch stays priced."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.cost_models.weight_passes import CAST_FORWARD_BYTES, weight_pass_bytes
+    from autopar.runtime.precision import autocast
+
+    class WeightCasts(TorchDispatchMode):
+        def __init__(self, weights):
+            super().__init__()
+            self.weights, self.count = weights, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and any(args[0] is w for w in self.weights):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    stage = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    weights = [p for p in stage.parameters()]
+    with WeightCasts(weights) as casts, autocast("bf16", torch.device("cpu"), fsdp=False):
+        for _ in range(4):
+            stage(torch.randn(2, 16)).float().sum().backward()
+    assert casts.count == len(weights)
+
+    params, cast = 1000.0, CAST_FORWARD_BYTES * 1000.0
+    piped = Strategy(dp=1, tp=1, pp=2, microbatch=1, num_microbatches=4)
+    assert weight_pass_bytes(params, 0.0, piped, "bf16")[0] == pytest.approx(cast / 4)
+    recomputed = piped.model_copy(update={"recompute": "full"})
+    assert weight_pass_bytes(params, params, recomputed, "bf16")[0] == pytest.approx(cast)
+    no_layer = piped.model_copy(update={"recompute": "full", "recompute_layers": (0, 0)})  # nothing recomputes
+    assert weight_pass_bytes(params, 0.0, no_layer, "bf16")[0] == pytest.approx(cast / 4)
+    flat = piped.model_copy(update={"pp": 1})
+    assert weight_pass_bytes(params, 0.0, flat, "bf16")[0] == pytest.approx(cast)
