@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 HOST_ROW_ELEMENTS = 2**16  # 256 KiB of fp32 per row: past the per-row overhead, a few thousand rows per GiB
+HOST_BLOCK_ROWS = 256  # rows reduced per call: a 16-bit block's fp32 copy stays at 64 MiB
 
 
 def squares_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -28,12 +29,24 @@ def squares_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
     total = torch.zeros((), dtype=torch.float32)
     for tensor in tensors:
-        flat, accumulate = tensor.reshape(-1), torch.promote_types(tensor.dtype, torch.float32)
-        rows = flat.numel() // HOST_ROW_ELEMENTS
-        if rows:
-            body = flat[: rows * HOST_ROW_ELEMENTS].view(rows, HOST_ROW_ELEMENTS)
-            total += torch.linalg.vector_norm(body, 2.0, dim=1, dtype=accumulate).square().sum().float()
-        tail = flat[rows * HOST_ROW_ELEMENTS:]
-        if tail.numel():
-            total += torch.linalg.vector_norm(tail, 2.0, dtype=accumulate).square().float()
+        total += _host_squares(tensor)
+    return total
+
+
+def _host_squares(tensor: torch.Tensor) -> torch.Tensor:
+    """One host tensor's Σ x², by blocks of rows; a tensor that is not contiguous (never a gradient
+    shard under offload) is reduced whole, as torch's norm does it, rather than copied."""
+    accumulate = torch.promote_types(tensor.dtype, torch.float32)
+    if not tensor.is_contiguous():
+        return torch.linalg.vector_norm(tensor, 2.0, dtype=accumulate).square().float()
+    flat = tensor.view(-1)
+    rows = flat.numel() // HOST_ROW_ELEMENTS
+    total = torch.zeros((), dtype=torch.float32)
+    if rows:
+        body = flat[: rows * HOST_ROW_ELEMENTS].view(rows, HOST_ROW_ELEMENTS)
+        for block in body.split(HOST_BLOCK_ROWS):
+            total += torch.linalg.vector_norm(block, 2.0, dim=1, dtype=accumulate).square().sum().float()
+    tail = flat[rows * HOST_ROW_ELEMENTS:]
+    if tail.numel():
+        total += torch.linalg.vector_norm(tail, 2.0, dtype=accumulate).square().float()
     return total

@@ -165,11 +165,12 @@ class ParallelModel:
                 dist.all_reduce(_local_value(grad), group=group)
 
     def clip_grad_norm_(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
-        """Global gradient norm over every shard and stage (one scalar all-reduce), then clip. Norms and
-        scaling run as foreach kernels over the gradients that count alike (a few launches, not four
-        per parameter: a launch-bound step pays for each). With a fused `optimizer` the scaling is
-        its next step's instead (`runtime.optimizer.defer_gradient_scale`): one pass over every
-        gradient fewer."""
+        """Global gradient norm over every shard and stage (one scalar all-reduce), then clip. On a GPU
+        norms and scaling run as foreach kernels over the gradients that count alike (a few launches,
+        not four per parameter: a launch-bound step pays for each); on the host, under offload, the
+        norm runs by rows over its threads (`autopar.gradient_norm`). With a fused `optimizer` the
+        scaling is its next step's instead (`runtime.optimizer.defer_gradient_scale`): one pass over
+        every gradient fewer."""
         tied = {name: len(ranks) for name, _, ranks in self.tied_groups}
         groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
         seen: set[int] = set()  # a weight two of this rank's stages share (zbv's embedding and head): once

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopar import gradient_norm
 from autopar.gradient_norm import HOST_ROW_ELEMENTS, squares_sum
 
 
@@ -35,7 +36,14 @@ def test_a_whole_tensor_is_reduced_by_rows_on_the_host(monkeypatch):
         return original(tensor, *args, **kwargs)
 
     monkeypatch.setattr(torch.linalg, "vector_norm", recording)
-    squares_sum([torch.ones(5 * HOST_ROW_ELEMENTS + 3)])
+    assert float(squares_sum([torch.ones(5 * HOST_ROW_ELEMENTS + 3)])) == 5 * HOST_ROW_ELEMENTS + 3
     assert calls == [((5, HOST_ROW_ELEMENTS), 1), ((3,), None)]
+    calls.clear()  # in blocks of rows, so a 16-bit tensor's fp32 copy stays a block's
+    monkeypatch.setattr(gradient_norm, "HOST_BLOCK_ROWS", 2)
+    squares_sum([torch.ones(5 * HOST_ROW_ELEMENTS, dtype=torch.bfloat16)])
+    assert calls == [((2, HOST_ROW_ELEMENTS), 1), ((2, HOST_ROW_ELEMENTS), 1), ((1, HOST_ROW_ELEMENTS), 1)]
+    calls.clear()  # not contiguous: reduced whole, not copied
+    squares_sum([torch.ones(512, 512).t()])
+    assert calls == [((512, 512), None)]
     with pytest.raises(ValueError):
         squares_sum([])
