@@ -3,6 +3,8 @@ decide and what they record, checked against independent derivations; refusals b
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -308,3 +310,120 @@ def test_under_autocast_a_block_whose_input_feeds_a_residual_is_refused_by_name(
     assert outcome.failed_module == "block"
     assert outcome.reason.startswith("AutoparError: tensor-parallel block block reads its input in add besides its "
                                      "linear projections"), outcome.reason
+
+
+# --- a deep model's dry run, answered by its shallow twins (`runtime.tensor_parallel.twin_dry_run`) ---------
+
+class _Stacked(nn.Module):
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(blocks))
+
+
+def _synthetic_run(step_bytes, fail_at=None):
+    """A dry run by depth: two forward all-reduces per block, and one step all-reduce whose size
+    `step_bytes(depth)` gives."""
+    from autopar.capabilities import TpCollective
+    from autopar.runtime.tensor_parallel.dry_run import DryRun
+
+    asked = []
+
+    def run(twin, spec):
+        depth = len(twin.layers)
+        asked.append((depth, spec.placements, spec.recompute))
+        if depth == fail_at:
+            return DryRun(reason="RuntimeError: no")
+        records = [TpCollective("forward", "all_reduce", 64, f"layers.{k}.{part}") for k in range(depth)
+                   for part in ("attn", "mlp")]
+        records += [TpCollective("recompute", "all_reduce", 64, f"layers.{k}") for k in range(depth) if spec.recompute]
+        return DryRun(reason=None, collectives=tuple(records + [TpCollective("step", "all_reduce", step_bytes(depth), "")]))
+    return run, asked
+
+
+def test_twins_answer_for_the_whole_depth_only_when_they_grow_alike():
+    from collections import Counter
+
+    from autopar.runtime.tensor_parallel.dry_run import MODULES, DryRunSpec
+    from autopar.runtime.tensor_parallel.twin_dry_run import TWIN_DEPTHS, dry_run_on_twins
+
+    model = _Stacked(20)
+    placements = tuple(sorted({f"layers.{k}.weight": "S(0)" for k in range(20)}.items()))
+    every = tuple(f"layers.{k}" for k in range(20))
+    spec = DryRunSpec(tp=2, placements=placements, realization=MODULES, microbatch=1, recompute=every)
+    run, asked = _synthetic_run(lambda depth: 100 + 8 * depth)
+    answer = dry_run_on_twins(model, spec, run)
+    assert [depth for depth, _, _ in asked] == list(TWIN_DEPTHS)
+    assert asked[0][1] == tuple(item for item in placements if item[0] in ("layers.0.weight", "layers.1.weight"))
+    assert asked[0][2] == ("layers.0", "layers.1")
+    from autopar.capabilities import TpCollective
+
+    assert Counter(answer.collectives)[TpCollective("forward", "all_reduce", 64, "layers.19.mlp")] == 1
+    assert sum(1 for c in answer.collectives if c.phase == "forward") == 40
+    assert {c.module for c in answer.collectives if c.phase == "recompute"} == set(every)
+    assert [c.bytes for c in answer.collectives if c.phase == "step"] == [100 + 8 * 20]
+
+    assert dry_run_on_twins(model, spec, _synthetic_run(lambda depth: 100 + depth ** 2)[0]) is None  # not linear
+    assert dry_run_on_twins(model, spec, _synthetic_run(lambda depth: 100, fail_at=3)[0]) is None  # a twin failed
+    some = dataclasses.replace(spec, recompute=every[:5])  # recompute that differs between blocks
+    assert dry_run_on_twins(model, some, _synthetic_run(lambda depth: 100)[0]) is None
+    uneven = dataclasses.replace(spec, placements=placements[:-1] + (("layers.9.weight", "R"),))
+    assert dry_run_on_twins(model, uneven, _synthetic_run(lambda depth: 100)[0]) is None
+    assert dry_run_on_twins(_Stacked(10), spec, _synthetic_run(lambda depth: 100)[0]) is None  # shallow: whole
+
+
+def _compare_twins_with_the_whole_model(family: str, config: str, monkeypatch) -> None:
+    from collections import Counter
+
+    from autopar.cost_models.facts import model_facts
+    from autopar.cost_models.placed_collectives import dry_run_ledger
+    from autopar.graph import trace
+    from autopar.models import build_model
+    from autopar.runtime.tensor_parallel import twin_dry_run
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
+    from autopar.searcher.tp_placements import planned_tp_placements
+
+    spec = build_model(family, config)
+    graph = trace(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16")
+    facts = model_facts(graph, heads=4, kv_heads=4, vocab=spec.config.padded_vocab)
+    layers = tuple(facts.units[i].name for i in facts.layer_units)
+    placements = planned_tp_placements({}, graph, facts, 2)
+    for recompute in ("none", "full", "selective"):
+        paths = layers if recompute != "none" else ()
+        answers = {}
+        for whole in (False, True):
+            monkeypatch.setattr(twin_dry_run, "MIN_BLOCKS", 10**6 if whole else 16)
+            realize = capabilities_for(spec.module, spec.example_inputs(1)[0], spec.loss_fn, "bf16").tp_realization
+            answers[whole] = realize(placements, 2, False, 2, recompute, paths)
+            assert realize.twin_answers == (0 if whole else 1)
+        twins, whole = answers[False], answers[True]
+        assert twins.name == whole.name and twins.name is not None
+        assert Counter((c.phase, c.kind, c.bytes) for c in twins.collectives) == \
+            Counter((c.phase, c.kind, c.bytes) for c in whole.collectives), recompute
+        assert Counter(c for c in twins.collectives if c.phase == "recompute") == \
+            Counter(c for c in whole.collectives if c.phase == "recompute")
+        for recomputed in (set(), set(paths)):
+            assert dry_run_ledger(twins.collectives, 3, recomputed) == dry_run_ledger(whole.collectives, 3, recomputed)
+    import autopar  # and the plan priced from either is the same
+    planned = {}
+    for whole in (False, True):
+        monkeypatch.setattr(twin_dry_run, "MIN_BLOCKS", 10**6 if whole else 16)
+        result = autopar.plan(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, precision="bf16",
+                              cluster=autopar.load_cluster("dgx-h100", gpus=2), global_batch=4,
+                              strategy="tp=2,recompute=full,microbatch=2", use_ilp=False, probe_cache=None)
+        planned[whole] = (result.prediction.step_time_s, result.prediction.peak_memory_bytes,
+                          result.plan.predicted if result.plan is not None else None)
+    assert planned[False] == planned[True]
+
+
+def test_a_deep_models_module_rule_dry_run_is_its_twins(monkeypatch):
+    """GPT, 16 blocks, the module rules: the twins' answer counts what the whole model's dry run
+    sends, per phase, kind and size, recomputes the same layers, and prices the same plan."""
+    _compare_twins_with_the_whole_model("gpt", "layers=16,hidden=64,heads=4,seq_len=32,vocab=128", monkeypatch)
+
+
+@pytest.mark.slow
+def test_a_deep_moe_models_dtensor_dry_run_is_its_twins(monkeypatch):
+    """The zoo's MoE Llama, 16 blocks, DTensor: the step's one all-reduce of the partial gradients
+    grows in size with depth (not in number), and is extrapolated so."""
+    _compare_twins_with_the_whole_model(
+        "llama", "layers=16,hidden=64,heads=4,kv_heads=4,seq_len=32,vocab=128,moe_experts=4,moe_top_k=2", monkeypatch)

@@ -22,6 +22,7 @@ from torch import nn
 from autopar.capabilities import Capabilities, TpRealization
 from autopar.errors import AutoparError
 from autopar.runtime.tensor_parallel.dry_run import DTENSOR, MODULES, DryRunSpec, dry_run
+from autopar.runtime.tensor_parallel.twin_dry_run import dry_run_on_twins
 
 MAX_REPLICATED_MODULES = 4
 
@@ -71,6 +72,7 @@ class TensorParallelRealizer:
             self.aliases[name] = first.setdefault(id(param), name)
         self._cache: dict[tuple, TpRealization] = {}
         self.dry_runs = 0  # how many ran (not cached): for tests and benchmarks
+        self.twin_answers = 0  # of those, how many shallow twins answered
 
     def __call__(self, placements: dict[str, str], tp: int, sp: bool, microbatch: int,
                  recompute_policy: str = "none", recompute_paths: tuple[str, ...] = ()) -> TpRealization:
@@ -138,7 +140,14 @@ class TensorParallelRealizer:
         return TpRealization(None, outcome.reason, failed_module=outcome.failed_module)
 
     def _run(self, spec: DryRunSpec):
+        """The dry run of `spec`: from shallow twins where they agree (`twin_dry_run`), else of the
+        whole model."""
         self.dry_runs += 1
+        answer = dry_run_on_twins(self.model, spec,
+                                  lambda twin, twin_spec: dry_run(twin, self.example_input, self.loss_fn, twin_spec))
+        if answer is not None:
+            self.twin_answers += 1
+            return answer
         return dry_run(self.model, self.example_input, self.loss_fn, spec)
 
     def _every_alias(self, placements: dict[str, str]) -> dict[str, str]:
