@@ -388,8 +388,9 @@ class Refiner:
 
         Without pipeline stages and sequence parallelism, the dry run's collectives are the ledger.
         Sequence parallelism and pipeline stages run the module rules, priced by the graph's
-        Megatron layout: the dry run (of the whole model) only confirms they run, and under
-        sequence parallelism that they send what that layout predicts."""
+        Megatron layout: the dry run (of the whole model, or of its shallow twins,
+        `runtime.tensor_parallel.twin_dry_run`) only confirms they run, and under sequence
+        parallelism that they send what that layout predicts."""
         s = strategy
         planned = planned_tp_placements(choice, self.graph, self.facts, s.tp)
         paths = tuple(self.facts.units[i].name for i in self.facts.layer_units) if s.recompute != "none" else ()

@@ -320,9 +320,9 @@ class _Stacked(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(blocks))
 
 
-def _synthetic_run(step_bytes, fail_at=None):
+def _synthetic_run(step_bytes, fail_at=None, last_differs_in=None):
     """A dry run by depth: two forward all-reduces per block, and one step all-reduce whose size
-    `step_bytes(depth)` gives."""
+    `step_bytes(depth)` gives; with `last_differs_in`, that model's last block sends one more."""
     from autopar.capabilities import TpCollective
     from autopar.runtime.tensor_parallel.dry_run import DryRun
 
@@ -335,6 +335,8 @@ def _synthetic_run(step_bytes, fail_at=None):
             return DryRun(reason="RuntimeError: no")
         records = [TpCollective("forward", "all_reduce", 64, f"layers.{k}.{part}") for k in range(depth)
                    for part in ("attn", "mlp")]
+        if last_differs_in is not None and twin.layers[-1] is last_differs_in.layers[-1]:
+            records.append(TpCollective("forward", "all_gather", 64, f"layers.{depth - 1}"))
         records += [TpCollective("recompute", "all_reduce", 64, f"layers.{k}") for k in range(depth) if spec.recompute]
         return DryRun(reason=None, collectives=tuple(records + [TpCollective("step", "all_reduce", step_bytes(depth), "")]))
     return run, asked
@@ -352,7 +354,7 @@ def test_twins_answer_for_the_whole_depth_only_when_they_grow_alike():
     spec = DryRunSpec(tp=2, placements=placements, realization=MODULES, microbatch=1, recompute=every)
     run, asked = _synthetic_run(lambda depth: 100 + 8 * depth)
     answer = dry_run_on_twins(model, spec, run)
-    assert [depth for depth, _, _ in asked] == list(TWIN_DEPTHS)
+    assert [depth for depth, _, _ in asked] == [*TWIN_DEPTHS, 3]  # and the last two blocks behind the first
     assert asked[0][1] == tuple(item for item in placements if item[0] in ("layers.0.weight", "layers.1.weight"))
     assert asked[0][2] == ("layers.0", "layers.1")
     from autopar.capabilities import TpCollective
@@ -369,6 +371,12 @@ def test_twins_answer_for_the_whole_depth_only_when_they_grow_alike():
     uneven = dataclasses.replace(spec, placements=placements[:-1] + (("layers.9.weight", "R"),))
     assert dry_run_on_twins(model, uneven, _synthetic_run(lambda depth: 100)[0]) is None
     assert dry_run_on_twins(_Stacked(10), spec, _synthetic_run(lambda depth: 100)[0]) is None  # shallow: whole
+    assert dry_run_on_twins(model, spec, _synthetic_run(lambda depth: 100, last_differs_in=model)[0]) is None
+    model.layers[7].window = 4  # one block set apart (a sliding-window layer among global ones)
+    assert dry_run_on_twins(model, spec, _synthetic_run(lambda depth: 100)[0]) is None
+    del model.layers[7].window
+    model.layers[7].layer_idx = 7  # what numbers a layer does not set it apart
+    assert dry_run_on_twins(model, spec, _synthetic_run(lambda depth: 100)[0]) is not None
 
 
 def _compare_twins_with_the_whole_model(family: str, config: str, monkeypatch) -> None:
