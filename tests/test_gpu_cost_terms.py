@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.capabilities import whole_stage_problem
 from autopar.cluster import load_cluster
@@ -203,24 +205,24 @@ def test_the_compiled_activation_model_covers_what_min_cut_saves(monkeypatch):
     assert saved <= COMPILED_ACTIVATION_FACTOR * modelled <= 1.05 * saved
 
 
+class WeightCasts(TorchDispatchMode):
+    """Counts the casts (`aten._to_copy`) of the given weights while it is active."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.weights, self.count = weights, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and any(args[0] is w for w in self.weights):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("policy", ["selective", "full"])
 def test_the_runtimes_recompute_casts_the_weights_again_under_autocast(policy):
     """What the weight-pass term above prices: under autocast over fp32 weights, the runtime's
     recompute (`runtime.recompute`) casts each weight of the layer to 16 bits again in backward."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from autopar.runtime.recompute import apply_recompute
-
-    class WeightCasts(TorchDispatchMode):
-        def __init__(self, weights):
-            super().__init__()
-            self.weights, self.count = weights, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and any(args[0] is w for w in self.weights):
-                self.count += 1
-            return func(*args, **(kwargs or {}))
 
     def backward_casts(recompute: str) -> int:
         torch.manual_seed(0)
@@ -244,21 +246,8 @@ def test_pipeline_stages_without_recompute_cast_each_weight_once_per_step():
     whatever the micro-batches (here four, forward and backward interleaved as 1F1B does), and the
     weight-pass term charges each micro-batch a 1/n share. With recompute, or without stages, a
     cast per micro-batch stays priced."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from autopar.cost_models.weight_passes import CAST_FORWARD_BYTES, weight_pass_bytes
     from autopar.runtime.precision import autocast
-
-    class WeightCasts(TorchDispatchMode):
-        def __init__(self, weights):
-            super().__init__()
-            self.weights, self.count = weights, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and any(args[0] is w for w in self.weights):
-                self.count += 1
-            return func(*args, **(kwargs or {}))
 
     stage = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
     weights = [p for p in stage.parameters()]
