@@ -80,3 +80,43 @@ def test_rows_a_profile_cannot_price_are_shown_and_the_table_goes_on(gpu_rows, t
     assert "no row priced ran under the runtime's allocator setting" in out
     with pytest.raises(AutoparError):  # without a profile the error is not the profile's: it stops the table
         gpu_rows.table([path])
+
+
+def test_gemm_kernels_sets_each_timed_gemm_beside_the_shape_term(monkeypatch, tmp_path, capsys):
+    """benchmarks/gemm_kernels.py: a GEMM timed at 80% of the H200's dense peak is reported at that
+    efficiency, beside what the committed shape term gives it, and GEMMs not timed are left out."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gemm_kernels
+
+    from autopar.cluster import load_cluster
+    from autopar.cost_models.compute import FITTED_EFFICIENCY, gemm_efficiency
+    from autopar.graph import trace
+    from autopar.models import build_model
+    from autopar.profiler.database import ProfileDB
+    from autopar.profiler.records import OpTiming
+    from autopar.profiler.signatures import needs_profile, signature_of
+
+    spec = build_model("gpt2-124m", None)
+    graph = trace(spec.module, spec.example_inputs(2, spec.default_seq_len), loss_fn=spec.loss_fn, precision="bf16",
+                  seq_len=spec.default_seq_len)
+    head = next(n for n in graph.nodes if needs_profile(n) and n.op == "aten.mm.default"
+                and n.input_meta[1].shape == (768, 50304))
+    gpu = load_cluster("dgx-h200", gpus=1).gpu
+    measured_s = head.flops / (0.8 * gpu.peak_flops_per_s("bf16"))
+    path = tmp_path / "h200-test-gpt2-124m.db"
+    with ProfileDB(path) as database:
+        database.record_op("NVIDIA H200", "bf16", OpTiming(signature_of(head).key, head.op, measured_s, 5, None, None))
+        # another op of the graph in [batch, seq, width] shape, from which the benchmark reads the batch
+        norm = next(n for n in graph.nodes if needs_profile(n) and n.op == "aten.native_layer_norm.default")
+        database.record_op("NVIDIA H200", "bf16", OpTiming(signature_of(norm).key, norm.op, 1e-5, 5, None, None))
+
+    device, _, kernels = gemm_kernels.kernels(path)
+    assert device == "NVIDIA H200 (dgx-h200)" and len(kernels) == 1
+    (kernel,) = kernels
+    assert kernel.count == 1 and kernel.measured_s == pytest.approx(measured_s)
+    half = FITTED_EFFICIENCY.gemm_half_dim_for(gpu, "bf16")
+    expected = gemm_efficiency((1.0, 2.0 * spec.default_seq_len, 50304.0, 768.0), FITTED_EFFICIENCY.matmul_for(gpu), half)
+    assert kernel.model_efficiency(gpu, FITTED_EFFICIENCY.gemm_half_ridges) == pytest.approx(expected, rel=1e-9)
+    assert gemm_kernels.main(["--db", str(path), "--compare", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "   0.800 " in printed and f"{expected:8.3f}" in printed and "gemm_half_ridges 0.0" in printed
