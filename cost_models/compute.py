@@ -33,7 +33,13 @@ The efficiencies are the fraction of datasheet peak that real kernels reach. Def
   vocabulary unpadded stepped in 272.3 ms, padded in 269.4 ms, where eager pays tens of ms.
   Nor where the runtime pads the product (`Efficiency.padded_gemms`, a linear layer
   `autopar.graph.paddable` marks): it runs aligned, and pays for its pad copies
-  (`padding_copy_bytes`).
+  (`padding_copy_bytes`). The copies are kernels of their own, run before the product on the same
+  stream, so their time adds to the product's rather than hiding under its compute. A product that
+  inductor pads pays the same copies (the weight in forward, the output gradient in backward): a
+  lower bound, since inductor pads the gradient again for the weight's product. On the H200 the
+  unpadded compiled step took 2.6–2.9 ms more than the padded one, whether inductor padded it
+  (7f4beee) or the runtime did (0621687). With the copies under the product's compute it was
+  priced 0.5 ms less.
 - Compiled kernels (`Efficiency.compiled`, a stage or block under torch.compile): inductor fuses
   the elementwise and normalization ops between GEMMs, so the vector ops move
   `1 - COMPILE_FUSED_FRACTION` of their eager bytes. Both constants are fitted below.
@@ -143,6 +149,7 @@ def op_time_s(op: OpFacts, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp:
         if efficiency.compiled:
             memory_time *= 1 - COMPILE_FUSED_FRACTION
         return memory_time + efficiency.launch_overhead_s
+    copy_time = 0.0  # pad copies: kernels of their own, run before the product, not under it
     if op.kind == "attention":
         compute_time = flops / (gpu.peak_flops_per_s(dtype) * efficiency.attention_for(gpu))
     else:
@@ -151,13 +158,15 @@ def op_time_s(op: OpFacts, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp:
         if op.gemm is not None:
             dims = op.gemm.at(batch, tp if op.tp_sharded else 1)
             class_efficiency = gemm_efficiency(dims, ceiling, efficiency.gemm_half_dim_for(gpu, dtype))
-            padded = efficiency.padded_gemms and op.gemm.padding is not None
+            sixteen_bit = dtype in ("bf16", "fp16")
+            # the runtime pads the layer, or inductor pads the product's operands (shape_padding)
+            padded = op.gemm.padding is not None and (efficiency.padded_gemms or (efficiency.compiled and sixteen_bit))
             if padded:
-                memory_time += padding_copy_bytes(op, dims) / (gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
-            elif dtype in ("bf16", "fp16") and any(d % 8 for d in dims[1:]) and not efficiency.compiled:
+                copy_time = padding_copy_bytes(op, dims) / (gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
+            elif sixteen_bit and any(d % 8 for d in dims[1:]) and not efficiency.compiled:
                 class_efficiency *= MISALIGNED_GEMM_FACTOR
         compute_time = flops / (gpu.peak_flops_per_s(dtype) * class_efficiency)
-    return max(compute_time, memory_time) + efficiency.launch_overhead_s
+    return max(compute_time, memory_time) + copy_time + efficiency.launch_overhead_s
 
 
 def padding_copy_bytes(op: OpFacts, dims: tuple[float, float, float, float]) -> float:

@@ -131,11 +131,19 @@ def test_padded_products_are_priced_aligned_plus_their_copies(facts):
         memory = (op.activation_bytes * 4 + op.weight_bytes) / bandwidth
         copies = padding_copy_bytes(op, dims) / bandwidth
         launch = DEFAULT_EFFICIENCY.launch_overhead_s
-        # eager: the fallback kernel's fraction; padded: aligned, with its copies beside its own bytes
+        # eager: the fallback kernel's fraction; padded: aligned, after its copies (kernels of their own)
         assert op_time_s(op, gpu, "bf16", batch=4, tp=1, sp=False) == pytest.approx(
             max(compute / MISALIGNED_GEMM_FACTOR, memory) + launch, rel=1e-12)
         assert op_time_s(op, gpu, "bf16", batch=4, tp=1, sp=False, efficiency=padded) == pytest.approx(
-            max(compute, memory + copies) + launch, rel=1e-12)
+            max(compute, memory) + copies + launch, rel=1e-12)
+        # compiled without the runtime's padding: inductor pads the operands, at the same copies;
+        # an fp32 product has no alignment to meet and is left alone
+        compiled = dataclasses.replace(DEFAULT_EFFICIENCY, compiled=True)
+        assert op_time_s(op, gpu, "bf16", batch=4, tp=1, sp=False, efficiency=compiled) == pytest.approx(
+            max(compute, memory) + copies + launch, rel=1e-12)
+        assert op_time_s(op, gpu, "fp32", batch=4, tp=1, sp=False, efficiency=compiled) == \
+            op_time_s(op, gpu, "fp32", batch=4, tp=1, sp=False)
+    assert padding_copy_bytes(forward, forward.gemm.at(4, 1)) > 0  # the check above charged copies
 
 
 def test_plans_price_padding_where_the_runtime_pads_it(facts):
