@@ -19,9 +19,14 @@ from autopar.errors import AutoparError
 _SAVED_OPS = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default, torch.ops.aten.linear.default,
+    # Every fused attention SDPA may pick: on the H100 and H200 (torch 2.11) it picks cuDNN's, which
+    # this list once lacked, so selective recompute repeated attention there, unpriced.
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._flash_attention_forward.default, torch.ops.aten._efficient_attention_forward.default,
     # Tensor-parallel collectives: recomputing one would resend it (selective recompute repeats compute only).
     torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.wait_tensor.default,

@@ -240,6 +240,56 @@ def test_the_runtimes_recompute_casts_the_weights_again_under_autocast(policy):
     assert backward_casts(policy) == 4  # both linears' weights and biases, cast again
 
 
+def test_selective_recompute_keeps_every_fused_attention_sdpa_may_pick():
+    """The cost model prices selective recompute as repeating no attention (`stage_costs`). SDPA picks
+    its fused kernel by device: cuDNN's on the H100 and H200 under torch 2.11 (the af063d4 diagnosis),
+    flash on CPU. The runtime's policy must keep the outputs of each, or the GPU repeats attention."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from autopar.runtime.recompute import _selective_policy
+
+    fused = [getattr(torch.ops.aten, name).default for name in dir(torch.ops.aten)
+             if name.startswith("_scaled_dot_product_") and name.endswith(("attention", "attention_for_cpu",
+                                                                           "attention_overrideable"))
+             and "math" not in name]
+    names = {op.name() for op in fused}
+    assert {"aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention",
+            "aten::_scaled_dot_product_efficient_attention"} <= names
+    assert {op.name() for op in fused if _selective_policy(None, op) != CheckpointPolicy.MUST_SAVE} == set()
+    assert _selective_policy(None, torch.ops.aten.gelu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_selective_recompute_does_not_run_attention_again_in_backward():
+    """On CPU, where SDPA runs its flash kernel for CPU: one call in forward, none in backward."""
+    from autopar.runtime.recompute import apply_recompute
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.project = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.project(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).tanh().sum()
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += "scaled_dot_product" in func.name() and "backward" not in func.name()
+            return func(*args, **(kwargs or {}))
+
+    model = torch.nn.ModuleDict({"attention": Attention()})
+    apply_recompute(model, ["attention"], "selective")
+    with Calls() as forward:
+        loss = model["attention"](torch.randn(2, 8, 16))
+    with Calls() as backward:
+        loss.backward()
+    assert forward.count == 1 and backward.count == 0
+
+
 def test_pipeline_stages_without_recompute_cast_each_weight_once_per_step():
     """The runtime runs a pipeline schedule in one autocast region (`ParallelModel.forward_backward`):
     without recompute nothing leaves autocast before the step ends, so each weight is cast once,
