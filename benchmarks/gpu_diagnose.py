@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_suite  # noqa: E402
 
-DEFAULT_CASES = "g13-mb8-none,g13-mb1x8-none,g13-mb8-none-compile,g27-mb4-offload"
+DEFAULT_CASES = "g13-mb8-sel,g13-mb8-none,g13-mb8-none-compile,g27-mb4-offload"
 # two micro-batches, so that the smoke run sees gradients accumulated
 SMOKE_CASE = ("smoke-mb2x2", "gpt", gpu_suite.SMOKE_CONFIG, 64, 4, "fp32",
               "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=2", False)
