@@ -43,7 +43,7 @@ from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.optimizer import build_optimizer, clear_gradient_scale, defer_gradient_scale
 from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
                                                retie_across_stages, tied_gradient_groups)
-from autopar.runtime.precision import autocast, fsdp_policy
+from autopar.runtime.precision import autocast, fsdp_policy, precision_problem
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
 
@@ -325,6 +325,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     micro-batch shape; by default the plan's `model_inputs`.
     """
     s = plan.strategy
+    if precision_problem(precision):
+        raise AutoparError(precision_problem(precision))
     compile = s.compile if compile is None else compile
     if s.compile and not compile:
         raise AutoparError("this plan was priced compiled (its memory counts what the compiled step saves): "
