@@ -159,11 +159,14 @@ def op_time_s(op: OpFacts, gpu: GpuSpec, dtype: str, *, batch: int, tp: int, sp:
             dims = op.gemm.at(batch, tp if op.tp_sharded else 1)
             class_efficiency = gemm_efficiency(dims, ceiling, efficiency.gemm_half_dim_for(gpu, dtype))
             sixteen_bit = dtype in ("bf16", "fp16")
-            # the runtime pads the layer, or inductor pads the product's operands (shape_padding)
-            padded = op.gemm.padding is not None and (efficiency.padded_gemms or (efficiency.compiled and sixteen_bit))
+            misaligned = sixteen_bit and any(d % 8 for d in dims[1:])
+            # the runtime pads the layer, or inductor pads the product's operands (shape_padding); the
+            # copies are counted for the whole layer (`padding_copy_bytes`), so not for a tp shard
+            inductor_pads = efficiency.compiled and misaligned and (tp == 1 or not op.tp_sharded)
+            padded = op.gemm.padding is not None and (efficiency.padded_gemms or inductor_pads)
             if padded:
                 copy_time = padding_copy_bytes(op, dims) / (gpu.hbm_bandwidth_bytes_per_s * efficiency.memory)
-            elif sixteen_bit and any(d % 8 for d in dims[1:]) and not efficiency.compiled:
+            elif misaligned and not efficiency.compiled:
                 class_efficiency *= MISALIGNED_GEMM_FACTOR
         compute_time = flops / (gpu.peak_flops_per_s(dtype) * class_efficiency)
     return max(compute_time, memory_time) + copy_time + efficiency.launch_overhead_s

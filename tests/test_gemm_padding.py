@@ -136,14 +136,22 @@ def test_padded_products_are_priced_aligned_plus_their_copies(facts):
             max(compute / MISALIGNED_GEMM_FACTOR, memory) + launch, rel=1e-12)
         assert op_time_s(op, gpu, "bf16", batch=4, tp=1, sp=False, efficiency=padded) == pytest.approx(
             max(compute, memory) + copies + launch, rel=1e-12)
-        # compiled without the runtime's padding: inductor pads the operands, at the same copies;
-        # an fp32 product has no alignment to meet and is left alone
+        # compiled without the runtime's padding: inductor pads the operands, at the same copies; an fp32
+        # product is priced without copies, as eager prices it without the misaligned fraction
         compiled = dataclasses.replace(DEFAULT_EFFICIENCY, compiled=True)
         assert op_time_s(op, gpu, "bf16", batch=4, tp=1, sp=False, efficiency=compiled) == pytest.approx(
             max(compute, memory) + copies + launch, rel=1e-12)
         assert op_time_s(op, gpu, "fp32", batch=4, tp=1, sp=False, efficiency=compiled) == \
             op_time_s(op, gpu, "fp32", batch=4, tp=1, sp=False)
     assert padding_copy_bytes(forward, forward.gemm.at(4, 1)) > 0  # the check above charged copies
+    # a tp shard of the layer: the copies are counted for the whole layer, so none is charged to a shard
+    compiled = dataclasses.replace(DEFAULT_EFFICIENCY, compiled=True)
+    assert all(op.tp_sharded for op in (forward, data, weight))  # the head splits over tp
+    for op in (forward, data, weight):
+        if op.tp_sharded:
+            unmarked = dataclasses.replace(op, gemm=dataclasses.replace(op.gemm, padding=None))
+            assert op_time_s(op, gpu, "bf16", batch=4, tp=2, sp=False, efficiency=compiled) == \
+                op_time_s(unmarked, gpu, "bf16", batch=4, tp=2, sp=False, efficiency=compiled)
 
 
 def test_plans_price_padding_where_the_runtime_pads_it(facts):
