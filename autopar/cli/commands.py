@@ -222,6 +222,10 @@ def _planned(args: argparse.Namespace) -> int:
         _say(f"wrote report {args.report}")
     if args.trace:
         _say(f"wrote trace {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    from autopar.runtime.precision import precision_problem
+
+    if precision_problem(args.precision):  # priced all the same: a run of other software
+        _say(f"note: `autopar run` will not train this plan: {precision_problem(args.precision)}")
     return 0
 
 
