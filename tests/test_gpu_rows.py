@@ -120,3 +120,37 @@ def test_gemm_kernels_sets_each_timed_gemm_beside_the_shape_term(monkeypatch, tm
     assert gemm_kernels.main(["--db", str(path), "--compare", "0"]) == 0
     printed = capsys.readouterr().out
     assert "   0.800 " in printed and f"{expected:8.3f}" in printed and "gemm_half_ridges 0.0" in printed
+
+
+def test_gemm_shapes_times_products_and_prices_them_with_the_shape_term(monkeypatch, tmp_path, capsys):
+    """benchmarks/gemm_shapes.py: products timed (on CPU here, capped small), and a timing file's
+    family totals set beside the shape term's price: a product timed at the ceiling is priced
+    1/factor − 1 slower, the factor being the term's Π d/(d + d_half)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gemm_shapes
+
+    from autopar.cluster import load_cluster
+    from autopar.cost_models.compute import FITTED_EFFICIENCY, gemm_efficiency
+
+    shapes = tmp_path / "shapes.json"
+    product = {"count": 1, "m": 16384, "n": 2048, "k": 2048, "flops_by_family": {"one GPU": 2.0 * 16384 * 2048 * 2048}}
+    batched = {"count": 4, "m": 64, "n": 32, "k": 48, "flops_by_family": {"attention-like": 2.0 * 4 * 64 * 32 * 48}}
+    shapes.write_text(json.dumps({"shapes": [product, batched]}))
+    out = tmp_path / "times.json"
+    assert gemm_shapes.main(["--shapes", str(shapes), "--out", str(out), "--device", "cpu", "--cap", "64"]) == 0
+    timed = json.loads(out.read_text())["products"]
+    assert [row["count"] for row in timed] == [1, 4] and all(row["time_s"] > 0 for row in timed)
+    assert timed[0]["m"] == 64  # capped
+
+    gpu = load_cluster("dgx-h100", gpus=1).gpu
+    peak, ceiling = gpu.peak_flops_per_s("bf16"), FITTED_EFFICIENCY.matmul_for(gpu)
+    flops = product["flops_by_family"]["one GPU"]
+    record = {"device": "NVIDIA H100 80GB HBM3", "torch": "x", "commit": "y",
+              "products": [{**product, "time_s": flops / (peak * ceiling)}, {**batched, "time_s": None}]}
+    capsys.readouterr()
+    assert gemm_shapes.report(record) == 0
+    printed = capsys.readouterr().out
+    factor = gemm_efficiency((1.0, 16384.0, 2048.0, 2048.0), 1.0, FITTED_EFFICIENCY.gemm_half_dim_for(gpu, "bf16"))
+    assert f"{1 / factor - 1:+12.1%}" in printed and "attention-like" not in printed  # untimed: not priced
+    assert gemm_shapes.report(record, half_ridges=0.0) == 0
+    assert f"{0:+12.1%}" in capsys.readouterr().out  # no shape term: priced as timed
