@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 DEFAULT_DBS = [*sorted((ROOT / "benchmarks" / "gpu_runs").glob("h[12]00-*.db")),
                ROOT.parent / "shared" / "gpu" / "profile-h100-gpt3-1.3b.db"]
-PRESETS = {"H100": "dgx-h100", "H200": "dgx-h200", "A100": "dgx-a100"}
+# (what the device name holds, preset), first match wins: the SXM parts the presets describe
+PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100-SXM4-40GB", "dgx-a100-40gb"), ("A100", "dgx-a100-80gb"))
 SMALL_FLOPS = 1e9
 
 
@@ -75,20 +76,24 @@ def kernels(path: Path):
                           precision="bf16", seq_len=spec.default_seq_len, name=model)
     database = ProfileDB(path, readonly=True)
     device = database.devices()[0]
-    preset = next((p for marker, p in PRESETS.items() if marker in device), None)
+    preset = next((p for marker, p in PRESETS if marker in device), None)
     if preset is None:
         raise SystemExit(f"gemm_kernels: no preset for the device {device!r} of {path.name}")
     gpu = autopar.load_cluster(preset, gpus=1).gpu
     found: dict[str, Kernel] = {}
+    untimed = 0
     for node in graph.nodes:
         if not (needs_profile(node) and _kind(node) == "matmul"):
             continue
         signature = signature_of(node)
         measured = database.lookup_time_s(device, "bf16", signature)
         if not measured:
+            untimed += 1
             continue
         known = found.get(signature.key)
         found[signature.key] = Kernel(signature.key, (known.count if known else 0) + 1, node.flops, measured, node)
+    if untimed:
+        print(f"  ({untimed} GEMMs of the step have no time in {path.name}: left out of the totals below)")
     return f"{device} ({preset})", gpu, list(found.values())
 
 

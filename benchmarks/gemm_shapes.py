@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 DEFAULT_SHAPES = ROOT / "benchmarks" / "gemm_shapes.json"
-PRESETS = {"H100": "dgx-h100", "H200": "dgx-h200", "A100": "dgx-a100-80gb"}
+# (what the device name holds, preset), first match wins: the SXM parts the presets describe
+PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100-SXM4-40GB", "dgx-a100-40gb"), ("A100", "dgx-a100-80gb"))
 ONE_GPU = "gpt3-1.3b one GPU"
 REPEATS = 20
 
@@ -133,7 +134,7 @@ def report(record: dict, half_ridges: float | None = None) -> int:
     import autopar
     from autopar.cost_models.compute import FITTED_EFFICIENCY, gemm_efficiency
 
-    preset = next((p for marker, p in PRESETS.items() if marker in record["device"]), None)
+    preset = next((p for marker, p in PRESETS if marker in record["device"]), None)
     if preset is None:
         print(f"gemm_shapes: no preset for the device {record['device']!r}", file=sys.stderr)
         return 2
@@ -144,19 +145,26 @@ def report(record: dict, half_ridges: float | None = None) -> int:
     print(f"{record['device']} ({preset}), torch {record['torch']}, commit {record['commit']}; ceiling {ceiling:.3f}, "
           f"d_half {half:.0f} (gemm_half_ridges {efficiency.gemm_half_ridges})")
     totals: dict[str, list[float]] = {}
+    all_flops: dict[str, float] = {}
     for row in record["products"]:
+        for family, family_flops in row["flops_by_family"].items():
+            all_flops[family] = all_flops.get(family, 0.0) + family_flops
         if row.get("time_s") is None:
             continue
         flops = 2.0 * row["count"] * row["m"] * row["n"] * row["k"]
         measured = flops / row["time_s"] / peak
         modelled = gemm_efficiency((row["count"], row["m"], row["n"], row["k"]), ceiling, half)
         for family, family_flops in row["flops_by_family"].items():
-            share = totals.setdefault(family, [0.0, 0.0])
+            share = totals.setdefault(family, [0.0, 0.0, 0.0])
             share[0] += family_flops / (peak * measured)
             share[1] += family_flops / (peak * modelled)
-    print(f"  {'family':32} {'timed s':>10} {'priced s':>10} {'priced/timed':>12}")
-    for family, (timed_s, priced_s) in sorted(totals.items()):
-        print(f"  {family:32} {timed_s:10.4f} {priced_s:10.4f} {priced_s / timed_s - 1:+12.1%}")
+            share[2] += family_flops
+    print(f"  {'family':32} {'timed s':>10} {'priced s':>10} {'priced/timed':>12} {'FLOPs timed':>11}")
+    for family, (timed_s, priced_s, timed_flops) in sorted(totals.items()):
+        print(f"  {family:32} {timed_s:10.4f} {priced_s:10.4f} {priced_s / timed_s - 1:+12.1%} "
+              f"{timed_flops / all_flops[family]:11.0%}")
+    print("  (a family's runs ran on their own GPUs: an A100 family timed here shows its shapes' penalty on "
+          "this GPU, not what its fit absorbed there)")
     return 0
 
 

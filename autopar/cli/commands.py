@@ -225,7 +225,8 @@ def _planned(args: argparse.Namespace) -> int:
     from autopar.runtime.precision import precision_problem
 
     if precision_problem(args.precision):  # priced all the same: a run of other software
-        _say(f"note: `autopar run` will not train this plan: {precision_problem(args.precision)}")
+        _say(f"note: priced in {args.precision}, but `autopar run --precision {args.precision}` is refused: "
+             f"{precision_problem(args.precision)}")
     return 0
 
 

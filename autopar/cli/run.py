@@ -125,11 +125,7 @@ def _run(args: RunConfig, env: Environment) -> int:
     spec = build_model(args.model, args.model_overrides)
     seq_len = args.seq_len or spec.default_seq_len
     example = _model_input(spec, seq_len)
-    precision = args.precision or _default_precision()
-    from autopar.runtime.precision import precision_problem
-
-    if precision_problem(precision):  # before searching: nothing would run
-        raise AutoparError(precision_problem(precision))
+    precision = args.precision or _default_precision()  # one `args.check()` accepts
 
     if args.plan is not None:
         plan = load_run_plan(args.plan, spec, fixed)
