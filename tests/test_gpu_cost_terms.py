@@ -315,3 +315,26 @@ def test_pipeline_stages_without_recompute_cast_each_weight_once_per_step():
     assert weight_pass_bytes(params, 0.0, no_layer, "bf16")[0] == pytest.approx(cast / 4)
     flat = piped.model_copy(update={"pp": 1})
     assert weight_pass_bytes(params, 0.0, flat, "bf16")[0] == pytest.approx(cast)
+
+
+def test_autocast_bytes_counts_the_vector_ops_autocast_widens(monkeypatch):
+    """benchmarks/autocast_bytes.py on a small GPT: under autocast over fp32 weights a layer norm reads
+    and writes fp32 where the 16-bit step moves bf16 (twice the bytes); a GELU between two linears
+    stays bf16 (the same bytes); GEMMs, attention and the weights' own casts are not counted."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import autocast_bytes
+
+    traced, runtime, ratio = autocast_bytes.compare("gpt", "layers=2,hidden=64,heads=4,vocab=128,seq_len=32", 2, 32)
+    assert runtime["native_layer_norm"] == 2 * traced["native_layer_norm"]
+    assert runtime["gelu"] == traced["gelu"]
+    assert not {"mm", "addmm", "bmm"} & (set(traced) | set(runtime))
+    assert not any("scaled_dot_product" in packet for packet in runtime)
+    assert ratio > 1.2
+    # the weights' casts (forward) and their gradients' casts back, priced as weight passes: left out
+    monkeypatch.setattr(autocast_bytes.Bytes, "_weight_cast", lambda self, func, args, out: False)
+    _, counted_all, _ = autocast_bytes.compare("gpt", "layers=2,hidden=64,heads=4,vocab=128,seq_len=32", 2, 32)
+    linear_weights = 2 * 12 * 64 * 64  # two layers of qkv and proj (4 h²), fc1 and fc2 (8 h²); biases aside
+    # each cast to bf16 (read 4 B, write 2) and its gradient cast back (read 2, write 4)
+    assert counted_all["_to_copy"] - runtime["_to_copy"] >= 12 * linear_weights
