@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from gemm_kernels import PRESETS  # noqa: E402  (the device name -> preset rule, one copy)
+
 DEFAULT_SHAPES = ROOT / "benchmarks" / "gemm_shapes.json"
-# (what the device name holds, preset), first match wins: the SXM parts the presets describe
-PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100-SXM4-40GB", "dgx-a100-40gb"), ("A100", "dgx-a100-80gb"))
 ONE_GPU = "gpt3-1.3b one GPU"
 REPEATS = 20
 

@@ -325,8 +325,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     micro-batch shape; by default the plan's `model_inputs`.
     """
     s = plan.strategy
-    if precision_problem(precision):
-        raise AutoparError(precision_problem(precision))
+    if problem := precision_problem(precision):
+        raise AutoparError(problem)
     compile = s.compile if compile is None else compile
     if s.compile and not compile:
         raise AutoparError("this plan was priced compiled (its memory counts what the compiled step saves): "

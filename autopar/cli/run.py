@@ -125,7 +125,7 @@ def _run(args: RunConfig, env: Environment) -> int:
     spec = build_model(args.model, args.model_overrides)
     seq_len = args.seq_len or spec.default_seq_len
     example = _model_input(spec, seq_len)
-    precision = args.precision or _default_precision()  # one `args.check()` accepts
+    precision = args.precision or _default_precision()
 
     if args.plan is not None:
         plan = load_run_plan(args.plan, spec, fixed)

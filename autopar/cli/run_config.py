@@ -61,8 +61,8 @@ class RunConfig(BaseModel):
         if self.precision is not None:  # the default (bf16 on CUDA, fp32 on CPU) always trains
             from autopar.runtime.precision import precision_problem
 
-            if precision_problem(self.precision):
-                raise AutoparError(precision_problem(self.precision))
+            if problem := precision_problem(self.precision):
+                raise AutoparError(problem)
         for flag in ("model", "plan", "cluster", "data", "checkpoint_dir", "resume", "metrics", "tensorboard",
                      "profile_dir", "report"):
             value = getattr(self, flag)
