@@ -1,6 +1,8 @@
 """Time one operator signature on a real device: random inputs, warm-up, median of repeats.
 
 Each graph node (forward or backward) is one ATen call, so each is timed by itself: no autograd.
+Fused attention is the exception: it is timed through SDPA, forward and backward, so that the kernel
+timed is the one SDPA picks on this device, which the runtime runs, not the one the trace names.
 GPU times come from CUDA events around the launch; CPU times from `time.perf_counter`. Inputs are
 random and never zero (zeros can hit fast paths real data never takes). A signature is skipped,
 with its reason, when its tensors would not fit the device, when it runs out of memory anyway,
@@ -19,32 +21,24 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from autopar.profiler.records import OpTiming
-from autopar.profiler.signatures import OpSignature, op_packet
+from autopar.profiler.signatures import OpSignature
 
 DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
     "uint64": torch.uint64, "bool": torch.bool,
 }
-# Ops the CPU has no kernel for, replaced by the CPU kernel of the same math so that a CPU run still
-# covers attention: (replacement, which inputs it takes, which scalars it keeps).
-_CPU_SUBSTITUTES = {
-    "aten._scaled_dot_product_flash_attention.default": (
-        "aten._scaled_dot_product_flash_attention_for_cpu.default", slice(0, 3), ("dropout_p", "is_causal")),
-    "aten._scaled_dot_product_flash_attention_backward.default": (
-        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default", slice(0, 6), ("dropout_p", "is_causal")),
-}
 # The CPU LayerNorm keeps mean and rstd in the input dtype where CUDA (and the IR) use float32.
 _CPU_STATS_IN_INPUT_DTYPE = {"aten.native_layer_norm_backward.default": (2, 3)}
-# Attention backward reads the forward's output, log-sum-exp and RNG state: we run the forward to get
-# them in the exact form (device, dtype) the kernel expects. Value: (forward op, the indices of the
-# forward's outputs that become the backward's inputs after grad_out, q, k, v and any bias).
-_ATTENTION_BACKWARD = {
-    "_scaled_dot_product_flash_attention_backward": ("aten._scaled_dot_product_flash_attention.default", (0, 1, 6, 7)),
-    "_scaled_dot_product_efficient_attention_backward": (
-        "aten._scaled_dot_product_efficient_attention.default", (0, 1, 2, 3)),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": (
-        "aten._scaled_dot_product_flash_attention_for_cpu.default", (0, 1)),
+# Fused attention is timed as the runtime runs it: through SDPA, which picks the kernel for the
+# device, dtype and shape. The trace names one kernel (flash, where tracing ran), while SDPA on the
+# H200 under torch 2.11 runs cuDNN's, twice as fast in step (the af063d4 diagnosis: 25.2 ms a step
+# against the flash ops' 50.4 ms in the op profile). Value: where q sits among the signature's inputs.
+_FUSED_ATTENTION = {
+    packet + suffix: (1 if suffix else 0)
+    for packet in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    for suffix in ("", "_backward")
 }
 FALLBACK_SCALAR = 2  # a required `Scalar` (mul.Scalar's factor, pow's exponent): its value does not change the work
 
@@ -181,41 +175,57 @@ def _scalar_value(value: Any) -> Any:
     return value
 
 
-def build_call(sig: OpSignature, device: str) -> tuple[Callable[[], Any], int]:
-    """A zero-argument function that runs the op once on fresh inputs, and the inputs' bytes."""
+def build_call(sig: OpSignature, device: str) -> tuple[Callable[[], Any], int, Callable[[], Any] | None]:
+    """A zero-argument function that runs the op once on fresh inputs, the inputs' bytes, and what
+    to run untimed before each timed call (None: nothing)."""
+    if sig.packet in _FUSED_ATTENTION:
+        return _attention_call(sig, device)
     op_name, inputs, scalars = sig.op, list(sig.inputs), sig.scalar_dict()
-    if not str(device).startswith("cuda") and op_name in _CPU_SUBSTITUTES:
-        op_name, taken, keep = _CPU_SUBSTITUTES[op_name]
-        inputs, scalars = inputs[taken], {k: v for k, v in scalars.items() if k in keep}
     op = resolve_op(op_name)
     names = {a.name for a in op._schema.arguments}
     values = {k: _scalar_value(v) for k, v in scalars.items() if k in names}
-    backward = _ATTENTION_BACKWARD.get(op_packet(op_name))
-    if backward is not None:  # grad_out, q, k, v (and a bias) are random; the rest comes from the forward
-        inputs = inputs[: 4 if "attn_bias" in values or "efficient" not in backward[0] else 5]
     bound = _int_bound(sig)
     tensors = [_random_tensor(m.shape, m.dtype, device, bound) for m in inputs]
-    if backward is not None:
-        tensors += _attention_forward_outputs(backward, tensors, values)
     if not str(device).startswith("cuda"):
         for index in _CPU_STATS_IN_INPUT_DTYPE.get(op_name, ()):
             tensors[index] = tensors[index].to(tensors[0].dtype)
     args, kwargs = _bind(op._schema, tensors, values, torch.Tag.pointwise in getattr(op, "tags", ()))
-    return (lambda: op(*args, **kwargs)), sum(t.numel() * t.element_size() for t in tensors)
+    return (lambda: op(*args, **kwargs)), sum(t.numel() * t.element_size() for t in tensors), None
 
 
-def _attention_forward_outputs(spec: tuple[str, tuple[int, ...]], tensors: list, values: dict) -> list:
-    """Run the forward on the backward's q, k, v (and bias) and return out, logsumexp and RNG state."""
-    forward_name, picks = spec
-    forward = resolve_op(forward_name)
-    efficient = "efficient" in forward_name
-    args = list(tensors[1:4]) + ([tensors[4] if len(tensors) > 4 else None] if efficient else [])
-    names = {a.name for a in forward._schema.arguments}
-    kwargs = {k: v for k, v in values.items() if k in names and k != "attn_bias"}
-    if efficient:
-        kwargs["compute_log_sumexp"] = True
-    outputs = forward(*args, **kwargs)
-    return [outputs[i] for i in picks]
+def _attention_call(sig: OpSignature, device: str) -> tuple[Callable[[], Any], int, Callable[[], Any] | None]:
+    """A fused attention signature, forward or backward, as SDPA runs it in training. The forward
+    runs on inputs that require gradients (the kernel then keeps its log-sum-exp, as in a step);
+    the backward's forward runs untimed before each timed call, and the gradients are returned,
+    not accumulated into `.grad` (no accumulation kernels in the time)."""
+    q_at = _FUSED_ATTENTION[sig.packet]
+    scalars = sig.scalar_dict()
+    metas = sig.inputs[q_at:q_at + 3]
+    if len(metas) < 3:
+        raise Unsynthesizable(f"{sig.packet} without query, key and value")
+    query, key, value = (_random_tensor(m.shape, m.dtype, device, 2).requires_grad_() for m in metas)
+    mask = None  # the efficient kernel's bias follows v unless the trace recorded it as None
+    if "efficient" in sig.packet and "attn_bias" not in scalars and len(sig.inputs) > q_at + 3:
+        bias = sig.inputs[q_at + 3]
+        mask = _random_tensor(bias.shape, bias.dtype, device, 2)
+    options = {"attn_mask": mask, "dropout_p": float(scalars.get("dropout_p") or 0.0),
+               "is_causal": bool(scalars.get("is_causal", False)), "scale": scalars.get("scale"),
+               "enable_gqa": query.shape[-3] != key.shape[-3]}
+    inputs = (query, key, value)
+    size = sum(t.numel() * t.element_size() for t in inputs)
+
+    def forward():
+        return torch.nn.functional.scaled_dot_product_attention(*inputs, **options)
+
+    if q_at == 0:
+        return forward, size, None
+    grad = torch.rand_like(forward().detach()).add_(0.5)
+    state: dict[str, Any] = {}
+
+    def prepare():
+        state["out"] = forward()
+
+    return (lambda: torch.autograd.grad(state.pop("out"), inputs, grad)), size + grad.numel() * grad.element_size(), prepare
 
 
 # --- timing ------------------------------------------------------------------------------------------
@@ -243,9 +253,11 @@ def time_op(
         return skipped(f"too large for {device}: needs ~{needed / 2**30:.2f} GiB, budget {budget / 2**30:.2f} GiB")
     cuda = str(device).startswith("cuda")
     try:
-        run, _ = build_call(sig, device)
+        run, _, prepare = build_call(sig, device)
         alloc_delta = peak = None
         if cuda:
+            if prepare is not None:
+                prepare()
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
@@ -254,7 +266,7 @@ def time_op(
             alloc_delta = torch.cuda.memory_allocated(device) - base
             peak = torch.cuda.max_memory_allocated(device) - base
             del result
-        times = _timed_runs(run, cuda, device, warmup, repeats)
+        times = _timed_runs(run, cuda, device, warmup, repeats, prepare)
     except Unsynthesizable as error:
         return skipped(f"inputs cannot be synthesized: {error}")
     except Exception as error:  # an op that fails on this device is a skip, not a crash
@@ -266,13 +278,18 @@ def time_op(
     return OpTiming(sig.key, sig.op, statistics.median(times), len(times), alloc_delta, peak)
 
 
-def _timed_runs(run: Callable[[], Any], cuda: bool, device: str, warmup: int, repeats: int) -> list[float]:
+def _timed_runs(run: Callable[[], Any], cuda: bool, device: str, warmup: int, repeats: int,
+                prepare: Callable[[], Any] | None = None) -> list[float]:
+    """`prepare` runs before each call, outside its time (on a GPU: queued before its start event)."""
+    prepare = prepare or (lambda: None)
     for _ in range(warmup):
+        prepare()
         run()
     repeats = max(repeats, 1)
     if not cuda:
         times = []
         for _ in range(repeats):
+            prepare()
             started = time.perf_counter()
             run()
             times.append(time.perf_counter() - started)
@@ -280,6 +297,7 @@ def _timed_runs(run: Callable[[], Any], cuda: bool, device: str, warmup: int, re
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     torch.cuda.synchronize(device)
     for start, end in events:
+        prepare()
         start.record()
         run()
         end.record()

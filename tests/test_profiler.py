@@ -189,6 +189,45 @@ def test_every_zoo_step_signature_runs_on_cpu(family):
     assert [r.skipped for r in results if not r.measured] == []
 
 
+def test_fused_attention_is_timed_through_sdpa_and_its_backward_alone(monkeypatch):
+    """SDPA picks the kernel the runtime runs (cuDNN's on the H200, where the trace names flash);
+    the backward's forward runs untimed: a forward slowed by 50 ms leaves the backward's time alone."""
+    import time as clock
+
+    import torch
+
+    graph = _trace("gpt", 1, precision="bf16")
+    attention = {s.packet: s for s in signatures_to_profile(graph, tp_degrees=(), microbatches=())
+                 if "attention" in s.packet}
+    assert set(attention) == {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def slow_sdpa(*args, **kwargs):
+        calls.append(kwargs["is_causal"])
+        clock.sleep(0.05)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", slow_sdpa)
+    forward = time_op(attention["_scaled_dot_product_flash_attention"], "cpu", warmup=0, repeats=2)
+    backward = time_op(attention["_scaled_dot_product_flash_attention_backward"], "cpu", warmup=0, repeats=2)
+    assert forward.measured and backward.measured, (forward, backward)
+    assert forward.time_s >= 0.05 > backward.time_s
+    assert calls and all(calls)  # causal, as traced; the backward's forwards ran too (untimed)
+    assert len(calls) == 2 + 3  # two timed forwards; the backward's gradient shape, then one per repeat
+
+
+def test_grouped_query_attention_signatures_run_through_sdpa():
+    q, kv = _t(2, 4, 16, 8, dtype="bfloat16"), _t(2, 2, 16, 8, dtype="bfloat16")
+    forward = OpSignature(op="aten._scaled_dot_product_flash_attention.default", inputs=(q, kv, kv),
+                          scalars={"is_causal": True, "dropout_p": 0.0})
+    backward = OpSignature(op="aten._scaled_dot_product_flash_attention_backward.default",
+                           inputs=(q, q, kv, kv), scalars={"is_causal": True, "dropout_p": 0.0})
+    for sig in (forward, backward):
+        result = time_op(sig, "cpu", warmup=0, repeats=1)
+        assert result.measured, result
+
+
 # --- database --------------------------------------------------------------------------------------
 def _timing(key: str, time_s: float | None = 1e-3, op: str = "aten.mm.default") -> OpTiming:
     return OpTiming(key, op, time_s, 5 if time_s else 0, skipped=None if time_s else "too large for cpu")
