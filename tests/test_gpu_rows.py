@@ -154,3 +154,24 @@ def test_gemm_shapes_times_products_and_prices_them_with_the_shape_term(monkeypa
     assert f"{1 / factor - 1:+12.1%}" in printed and "attention-like" not in printed  # untimed: not priced
     assert gemm_shapes.report(record, half_ridges=0.0) == 0
     assert f"{0:+12.1%}" in capsys.readouterr().out  # no shape term: priced as timed
+
+
+def test_step_parts_sets_the_priced_parts_beside_a_diagnosis(monkeypatch, capsys):
+    """The priced parts add up to the plan's step; the in-step parts are the diagnosis's kernel
+    classes (inductor's triton kernels counted with the vector ops)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import step_parts
+
+    diagnosis = Path(step_parts.ROOT) / "benchmarks" / "gpu_runs" / "h200-2026-11-27-af063d4-diagnosis.json"
+    row = next(r for r in json.loads(diagnosis.read_text())["rows"] if r["case"] == "g13-mb8-none-compile")
+    measured = step_parts.measured_parts(row)
+    assert measured["rest"] == pytest.approx(sum(row["by_kind"][k]["time_s"]
+                                                 for k in ("triton", "reduction", "elementwise/other", "copy")))
+    priced = step_parts.priced_parts("dgx-h200", row["strategy"])
+    assert priced["gemm"] + priced["attention"] + priced["rest"] + priced["optimizer"] == pytest.approx(priced["step"])
+    assert priced["rest"] > 0 and priced["gemm"] > priced["attention"] > 0
+    eager = step_parts.priced_parts("dgx-h200", {**row["strategy"], "compile": False})
+    assert eager["gemm"] == pytest.approx(priced["gemm"]) and eager["rest"] > priced["rest"]  # inductor fuses vector ops
+    assert step_parts.main([str(diagnosis)]) == 0
+    printed = capsys.readouterr().out
+    assert "g13-mb8-none-compile" in printed and "g13-mb8-none " in printed
