@@ -165,7 +165,46 @@ def report(record: dict, half_ridges: float | None = None) -> int:
               f"{timed_flops / all_flops[family]:11.0%}")
     print("  (a family's runs ran on their own GPUs: an A100 family timed here shows its shapes' penalty on "
           "this GPU, not what its fit absorbed there)")
+    shape_law(record["products"], peak, ceiling, half)
     return 0
+
+
+BANDS = ((0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, None))
+
+
+def shape_law(products: list[dict], peak: float, ceiling: float, half: float) -> tuple[float, float]:
+    """How efficiency depends on shape in the kernels timed: by smallest dimension, and the term's own
+    law (ceiling × Π d/(d + d_half)) fitted to them, minimizing the FLOPs-weighted mean |log error|.
+    Returns the fitted (ceiling, d_half)."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    timed = [p for p in products if p.get("time_s")]
+    dims = np.array([[p["m"], p["n"], p["k"]] for p in timed], dtype=float)
+    flops = np.array([2.0 * p["count"] * p["m"] * p["n"] * p["k"] for p in timed])
+    seconds = np.array([p["time_s"] for p in timed])
+    weight = np.array([sum(p["flops_by_family"].values()) for p in timed])
+    weight /= weight.sum()
+    achieved = flops / seconds / peak
+
+    def priced(top: float, half_dim: float):
+        return flops / (peak * top * np.prod(dims / (dims + max(half_dim, 0.0)), axis=1))
+
+    def loss(x) -> float:
+        return float(np.sum(weight * np.abs(np.log(priced(*x) / seconds))))
+
+    fitted = minimize(loss, [ceiling, half], method="Nelder-Mead").x
+    smallest = dims.min(axis=1)
+    print(f"  by smallest dimension: {'products':>8} {'timed η (median)':>17} {'committed priced/timed':>23}")
+    for low, high in BANDS:
+        band = (smallest >= low) & (smallest < (high or np.inf))
+        if band.any():
+            label = f"{low}-{high}" if high else f">= {low}"
+            print(f"  {label:>21} {band.sum():8d} {np.median(achieved[band]):17.3f} "
+                  f"{np.median(priced(ceiling, half)[band] / seconds[band]) - 1:+23.1%}")
+    print(f"  the term's law fitted to these kernels: ceiling {fitted[0]:.3f}, d_half {max(fitted[1], 0.0):.0f} "
+          f"(FLOPs-weighted mean |log error| {loss(fitted):.3f}; committed {loss([ceiling, half]):.3f})")
+    return float(fitted[0]), float(max(fitted[1], 0.0))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -175,3 +175,22 @@ def test_step_parts_sets_the_priced_parts_beside_a_diagnosis(monkeypatch, capsys
     assert step_parts.main([str(diagnosis)]) == 0
     printed = capsys.readouterr().out
     assert "g13-mb8-none-compile" in printed and "g13-mb8-none " in printed
+
+
+def test_gemm_shapes_recovers_the_shape_law_its_kernels_follow(monkeypatch, capsys):
+    """Products timed exactly as ceiling 0.7 × Π d/(d + 300) give back 0.7 and 300, and the
+    committed law's error is reported beside the fit's."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gemm_shapes
+
+    peak = 1e15
+    products = []
+    for m, n, k in [(512, 4096, 8192), (1024, 1024, 16384), (2048, 6144, 2048), (8192, 8192, 8192), (768, 3072, 4096)]:
+        flops = 2.0 * m * n * k
+        efficiency = 0.7 * (m / (m + 300)) * (n / (n + 300)) * (k / (k + 300))
+        products.append({"count": 1, "m": m, "n": n, "k": k, "flops_by_family": {"f": flops},
+                         "time_s": flops / (peak * efficiency)})
+    ceiling, half = gemm_shapes.shape_law(products, peak, ceiling=0.8, half=100.0)
+    assert ceiling == pytest.approx(0.7, rel=1e-2) and half == pytest.approx(300, rel=3e-2)
+    printed = capsys.readouterr().out
+    assert "512-1024" in printed and ">= 4096" in printed and "d_half 300" in printed
