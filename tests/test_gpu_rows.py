@@ -194,3 +194,29 @@ def test_gemm_shapes_recovers_the_shape_law_its_kernels_follow(monkeypatch, caps
     assert ceiling == pytest.approx(0.7, rel=1e-2) and half == pytest.approx(300, rel=3e-2)
     printed = capsys.readouterr().out
     assert "512-1024" in printed and ">= 4096" in printed and "d_half 300" in printed
+
+
+def test_gemm_basis_swaps_the_half_dimension_and_puts_it_back(monkeypatch):
+    """`peak` gives the H200 the H100's half-dimension (same compute, more bandwidth); `flat` drops
+    the shape term and prices every GEMM at one efficiency; the committed term comes back after."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gemm_basis
+
+    import autopar
+    from autopar.cost_models import compute
+
+    h100 = autopar.load_cluster("dgx-h100", gpus=1).gpu
+    h200 = autopar.load_cluster("dgx-h200", gpus=1).gpu
+    committed = compute.DEFAULT_EFFICIENCY
+    try:
+        assert committed.gemm_half_dim_for(h200, "bf16") < 0.8 * committed.gemm_half_dim_for(h100, "bf16")
+        gemm_basis.use("peak")
+        assert committed.gemm_half_dim_for(h200, "bf16") == pytest.approx(committed.gemm_half_dim_for(h100, "bf16"))
+        assert committed.gemm_half_dim_for(h100, "bf16") == pytest.approx(1.71 * 989e12 / 3350e9)
+        gemm_basis.use("flat", matmul=0.7)
+        assert committed.gemm_half_dim_for(h100, "bf16") == 0 and committed.matmul_for(h200) == 0.7
+    finally:
+        gemm_basis.use("ridge")
+        compute.ridge_point = gemm_basis.COMMITTED
+    assert committed.matmul_for(h100) == h100.matmul_efficiency
+    assert committed.gemm_half_dim_for(h100, "bf16") == pytest.approx(1.71 * 989e12 / 3350e9)

@@ -1,0 +1,133 @@
+"""What the GEMM shape term's half-dimension should scale with, tried on both kinds of data we hold.
+
+    python benchmarks/gemm_basis.py [--bases ridge,peak,absolute,flat]   # ~3 min a basis on 2 cores
+
+Why: the term (`cost_models.compute`) halves a GEMM's efficiency at a dimension of
+`gemm_half_ridges` × a per-GPU size. Committed, that size is the GPU's ridge point (peak FLOP/s over
+HBM bytes/s), so the H200, with more bandwidth, gets a smaller half-dimension than the H100 and its
+GEMMs are priced 10% faster; timed, the same GEMM took the same time on both
+(`benchmarks/gemm_kernels.py`). The bases tried, each scaled to equal the ridge point on the H100
+(295 FLOP/B), so that the constants compare:
+- `ridge`: the committed one, peak / HBM bandwidth;
+- `peak`: the dense peak alone (the H200 equals the H100; the A100's is 0.32 of the H100's);
+- `absolute`: one size for every GPU;
+- `flat`: no shape term at all (what the H200's kernels show, `gemm_shapes.py --report`), and one
+  GEMM efficiency for every GPU fitted in place of `gemm_half_ridges`.
+
+For each basis: the constant fitted on the 41 published runs, their leave-one-family-out MAPE
+(`benchmarks/validate_published.py`'s protocol, unchanged), and the GPU rows
+(`benchmarks/gpu_rows.py`) priced at that basis and constant. The term is swapped in by replacing
+`cost_models.compute.ridge_point` for this process only: an experiment, not a setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_rows  # noqa: E402
+import validate_published as published  # noqa: E402
+from published_runs import load_runs  # noqa: E402
+
+import autopar.cost_models.compute as compute  # noqa: E402
+
+H100_PEAK_FLOPS, H100_BANDWIDTH = 989e12, 3350e9
+H100_RIDGE = H100_PEAK_FLOPS / H100_BANDWIDTH
+COMMITTED = compute.ridge_point
+BASES = {
+    "ridge": COMMITTED,
+    "peak": lambda gpu, dtype: gpu.peak_flops_per_s(dtype) / H100_PEAK_FLOPS * H100_RIDGE,
+    "absolute": lambda gpu, dtype: H100_RIDGE,
+}
+
+
+COMMITTED_MATMUL_FOR = compute.Efficiency.matmul_for
+
+
+def use(basis: str, scale: float = 1.0, matmul: float | None = None) -> None:
+    """Price with `basis`, its constant `scale` times the committed one (the GPU rows use the
+    default efficiency); `flat`: no shape term, every GEMM at `matmul` (None: the GPU's ceiling)."""
+    compute.Efficiency.matmul_for = COMMITTED_MATMUL_FOR
+    if basis == "flat":
+        compute.ridge_point = lambda gpu, dtype: 0.0
+        if matmul is not None:
+            compute.Efficiency.matmul_for = lambda self, gpu: matmul
+        return
+    base = BASES[basis]
+    compute.ridge_point = lambda gpu, dtype: base(gpu, dtype) * scale
+
+
+def published_fit(runs, flat: bool = False) -> tuple[float, float, dict[str, float]]:
+    """(constant fitted on all rows, leave-one-family-out MAPE, that MAPE per family); `flat`: the
+    constant is one GEMM efficiency for every GPU, with no shape term."""
+    published._PRICED.clear()
+    committed_fitted, base = published.FITTED, published.FITTED_EFFICIENCY
+    name = "matmul" if flat else "gemm_half_ridges"
+    if flat:  # the fit's grid also tries 0, "off": here the GPU's own ceiling
+        published.FITTED = {"matmul": (0.4, 0.95)}
+        base = dataclasses.replace(base, gemm_half_ridges=0.0, matmul=0.0)
+        compute.Efficiency.matmul_for = lambda self, gpu: self.matmul or gpu.matmul_efficiency or compute.FALLBACK_MATMUL
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            held_out = published.cross_validate(runs, base)
+    finally:
+        published.FITTED = committed_fitted
+        compute.Efficiency.matmul_for = COMMITTED_MATMUL_FOR
+    first = printed.getvalue().splitlines()[0]  # "fit on all 41 rows: gemm_half_ridges=1.709 (...)"
+    constant = float(first.split(f"{name}=")[1].split()[0].rstrip(","))
+    families: dict[str, list[float]] = {}
+    for run in runs:
+        families.setdefault(run.family, []).append(abs(held_out[run.id]))
+    per_family = {family: sum(errors) / len(errors) for family, errors in families.items()}
+    return constant, sum(abs(e) for e in held_out.values()) / len(held_out), per_family
+
+
+def gpu_row_errors() -> list[tuple[str, str, float]]:
+    """(file, case, predicted/measured - 1) for every GPU row priced at the current basis."""
+    errors = []
+    for path in gpu_rows.DEFAULT_ROWS:
+        if not path.exists():
+            continue
+        for row in gpu_rows.rows_of(path):
+            if row.get("status", "ok") != "ok" or "offload" in row["case"]:  # offload: its host's rates
+                continue
+            predicted, _ = gpu_rows.predict(row)
+            errors.append((path.name, row["case"], predicted / row["measured_s"] - 1))
+    return errors
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bases", default="ridge,peak,absolute,flat")
+    args = parser.parse_args()
+    rows = [row for path in (published.DEFAULT_RUNS, published.MORE_RUNS) for row in load_runs(str(path))[1]]
+    with contextlib.redirect_stdout(io.StringIO()):
+        runs = [run for run in published.traced_runs(rows) if not run.row.get("out_of_scope")]
+    committed = published.FITTED_EFFICIENCY.gemm_half_ridges
+    for basis in args.bases.split(","):
+        use(basis)
+        constant, lofo, per_family = published_fit(runs, flat=basis == "flat")
+        use(basis, constant / committed, matmul=constant if basis == "flat" else None)
+        errors = gpu_row_errors()
+        h100 = [e for name, _, e in errors if name.startswith("h100")]
+        h200 = [e for name, _, e in errors if name.startswith("h200")]
+        print(f"{basis:9s} constant {constant:.3g}: published leave-one-family-out MAPE {lofo:.2%} ("
+              + ", ".join(f"{family} {error:.1%}" for family, error in sorted(per_family.items())) + ")")
+        print(f"{'':9s} GPU rows at that constant (offload left out): H100 {min(h100):+.1%} to {max(h100):+.1%}, "
+              f"H200 {min(h200):+.1%} to {max(h200):+.1%}; within 10%: {sum(abs(e) <= 0.10 for _, _, e in errors)}"
+              f" of {len(errors)}", flush=True)
+    compute.ridge_point = COMMITTED
+    compute.Efficiency.matmul_for = COMMITTED_MATMUL_FOR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
