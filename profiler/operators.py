@@ -34,12 +34,17 @@ _CPU_STATS_IN_INPUT_DTYPE = {"aten.native_layer_norm_backward.default": (2, 3)}
 # device, dtype and shape. The trace names one kernel (flash, where tracing ran), while SDPA on the
 # H200 under torch 2.11 runs cuDNN's, twice as fast in step (the af063d4 diagnosis: 25.2 ms a step
 # against the flash ops' 50.4 ms in the op profile). Value: where q sits among the signature's inputs.
+# Only the two kernels traces name (`autopar.graph.kernels`): their signatures record is_causal and
+# the efficient kernel's bias; others would be timed without their mask.
 _FUSED_ATTENTION = {
     packet + suffix: (1 if suffix else 0)
-    for packet in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                   "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    for packet in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
     for suffix in ("", "_backward")
 }
+# On a GPU, a short spin queued before a timed backward's start event: the host launches the
+# backward while it runs, so its launch latency stays outside the time (the queue is otherwise
+# drained once the untimed forward ends).
+_LAUNCH_COVER_CYCLES = 200_000
 FALLBACK_SCALAR = 2  # a required `Scalar` (mul.Scalar's factor, pow's exponent): its value does not change the work
 
 
@@ -255,9 +260,7 @@ def time_op(
     try:
         run, _, prepare = build_call(sig, device)
         alloc_delta = peak = None
-        if cuda:
-            if prepare is not None:
-                prepare()
+        if cuda and prepare is None:  # a backward frees what its forward saved: no output delta to read
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
@@ -281,6 +284,7 @@ def time_op(
 def _timed_runs(run: Callable[[], Any], cuda: bool, device: str, warmup: int, repeats: int,
                 prepare: Callable[[], Any] | None = None) -> list[float]:
     """`prepare` runs before each call, outside its time (on a GPU: queued before its start event)."""
+    covered = prepare is not None
     prepare = prepare or (lambda: None)
     for _ in range(warmup):
         prepare()
@@ -298,6 +302,8 @@ def _timed_runs(run: Callable[[], Any], cuda: bool, device: str, warmup: int, re
     torch.cuda.synchronize(device)
     for start, end in events:
         prepare()
+        if covered:
+            torch.cuda._sleep(_LAUNCH_COVER_CYCLES)
         start.record()
         run()
         end.record()
