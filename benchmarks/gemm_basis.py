@@ -112,21 +112,31 @@ def main() -> int:
     with contextlib.redirect_stdout(io.StringIO()):
         runs = [run for run in published.traced_runs(rows) if not run.row.get("out_of_scope")]
     committed = published.FITTED_EFFICIENCY.gemm_half_ridges
-    for basis in args.bases.split(","):
-        use(basis)
-        constant, lofo, per_family = published_fit(runs, flat=basis == "flat")
-        use(basis, constant / committed, matmul=constant if basis == "flat" else None)
-        errors = gpu_row_errors()
-        h100 = [e for name, _, e in errors if name.startswith("h100")]
-        h200 = [e for name, _, e in errors if name.startswith("h200")]
-        print(f"{basis:9s} constant {constant:.3g}: published leave-one-family-out MAPE {lofo:.2%} ("
-              + ", ".join(f"{family} {error:.1%}" for family, error in sorted(per_family.items())) + ")")
-        print(f"{'':9s} GPU rows at that constant (offload left out): H100 {min(h100):+.1%} to {max(h100):+.1%}, "
-              f"H200 {min(h200):+.1%} to {max(h200):+.1%}; within 10%: {sum(abs(e) <= 0.10 for _, _, e in errors)}"
-              f" of {len(errors)}", flush=True)
-    compute.ridge_point = COMMITTED
-    compute.Efficiency.matmul_for = COMMITTED_MATMUL_FOR
+    try:
+        for basis in args.bases.split(","):
+            report(basis, runs, committed)
+    finally:
+        compute.ridge_point = COMMITTED
+        compute.Efficiency.matmul_for = COMMITTED_MATMUL_FOR
+        published._PRICED.clear()
     return 0
+
+
+def report(basis: str, runs, committed: float) -> None:
+    """One basis: its fit on the published runs, then the GPU rows priced at that fit."""
+    use(basis)
+    constant, lofo, per_family = published_fit(runs, flat=basis == "flat")
+    use(basis, constant / committed, matmul=constant if basis == "flat" else None)
+    errors = gpu_row_errors()
+    print(f"{basis:9s} constant {constant:.3g}: published leave-one-family-out MAPE {lofo:.2%} ("
+          + ", ".join(f"{family} {error:.1%}" for family, error in sorted(per_family.items())) + ")")
+    spans = []
+    for gpu in ("h100", "h200"):
+        mine = [error for name, _, error in errors if name.startswith(gpu)]
+        if mine:
+            spans.append(f"{gpu.upper()} {min(mine):+.1%} to {max(mine):+.1%}")
+    print(f"{'':9s} GPU rows at that constant (offload left out): {', '.join(spans) or 'none found'}; within 10%: "
+          f"{sum(abs(e) <= 0.10 for _, _, e in errors)} of {len(errors)}", flush=True)
 
 
 if __name__ == "__main__":

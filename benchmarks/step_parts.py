@@ -74,7 +74,7 @@ def priced_parts(preset: str, strategy: dict) -> dict[str, float]:
     optimizer = predicted.breakdown["optimizer"] if isinstance(predicted.breakdown, dict) else predicted.breakdown.optimizer
     return {"gemm": parts["matmul"], "attention": parts["attention"],
             "rest": step - parts["matmul"] - parts["attention"] - optimizer, "optimizer": optimizer,
-            "idle": 0.0, "step": step}
+            "idle": 0.0, "step": step, "vector_ops": parts["vector"]}
 
 
 def measured_parts(row: dict) -> dict[str, float]:

@@ -157,8 +157,9 @@ def test_gemm_shapes_times_products_and_prices_them_with_the_shape_term(monkeypa
 
 
 def test_step_parts_sets_the_priced_parts_beside_a_diagnosis(monkeypatch, capsys):
-    """The priced parts add up to the plan's step; the in-step parts are the diagnosis's kernel
-    classes (inductor's triton kernels counted with the vector ops)."""
+    """The rest of the priced step holds its vector ops (and the passes over the weights beside
+    them); the in-step parts are the diagnosis's kernel classes (inductor's triton kernels counted
+    with the vector ops)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import step_parts
 
@@ -168,10 +169,11 @@ def test_step_parts_sets_the_priced_parts_beside_a_diagnosis(monkeypatch, capsys
     assert measured["rest"] == pytest.approx(sum(row["by_kind"][k]["time_s"]
                                                  for k in ("triton", "reduction", "elementwise/other", "copy")))
     priced = step_parts.priced_parts("dgx-h200", row["strategy"])
-    assert priced["gemm"] + priced["attention"] + priced["rest"] + priced["optimizer"] == pytest.approx(priced["step"])
-    assert priced["rest"] > 0 and priced["gemm"] > priced["attention"] > 0
     eager = step_parts.priced_parts("dgx-h200", {**row["strategy"], "compile": False})
-    assert eager["gemm"] == pytest.approx(priced["gemm"]) and eager["rest"] > priced["rest"]  # inductor fuses vector ops
+    for parts in (priced, eager):
+        assert parts["rest"] >= parts["vector_ops"] > 0 and parts["gemm"] > parts["attention"] > 0
+    # inductor fuses the vector ops (they move 1 - COMPILE_FUSED_FRACTION of their bytes); GEMMs unchanged
+    assert eager["gemm"] == pytest.approx(priced["gemm"]) and priced["vector_ops"] < 0.5 * eager["vector_ops"]
     assert step_parts.main([str(diagnosis)]) == 0
     printed = capsys.readouterr().out
     assert "g13-mb8-none-compile" in printed and "g13-mb8-none " in printed
