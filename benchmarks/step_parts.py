@@ -23,6 +23,7 @@ import argparse
 import functools
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,8 +57,8 @@ def priced_parts(preset: str, strategy: dict) -> dict[str, float]:
     spec, facts = _facts()
     cluster = autopar.load_cluster(preset, gpus=1)
     microbatch, count = strategy["microbatch"], strategy.get("num_microbatches", 1)
-    efficiency = DEFAULT_EFFICIENCY.__class__(**{**DEFAULT_EFFICIENCY.__dict__, "compiled": strategy["compile"],
-                                                  "padded_gemms": strategy.get("gemm_padding", True)})
+    efficiency = replace(DEFAULT_EFFICIENCY, compiled=strategy["compile"],
+                         padded_gemms=strategy.get("gemm_padding", True))
     parts = {"matmul": 0.0, "attention": 0.0, "vector": 0.0}
     for unit in facts.units:
         for op in unit.ops:
@@ -71,7 +72,7 @@ def priced_parts(preset: str, strategy: dict) -> dict[str, float]:
                           seq_len=SEQ_LEN, strategy=fixed)
     predicted = (result.plan.predicted if result.plan is not None else result.prediction)
     step = predicted.step_time_s
-    optimizer = predicted.breakdown["optimizer"] if isinstance(predicted.breakdown, dict) else predicted.breakdown.optimizer
+    optimizer = predicted.breakdown["optimizer"]  # a plan's and a refused prediction's: both dicts
     return {"gemm": parts["matmul"], "attention": parts["attention"],
             "rest": step - parts["matmul"] - parts["attention"] - optimizer, "optimizer": optimizer,
             "idle": 0.0, "step": step, "vector_ops": parts["vector"]}
