@@ -2,22 +2,23 @@
 
     python benchmarks/gemm_basis.py [--bases ridge,peak,absolute,flat]   # ~3 min a basis on 2 cores
 
-Why: the term (`cost_models.compute`) halves a GEMM's efficiency at a dimension of
-`gemm_half_ridges` × a per-GPU size. Committed, that size is the GPU's ridge point (peak FLOP/s over
-HBM bytes/s), so the H200, with more bandwidth, gets a smaller half-dimension than the H100 and its
-GEMMs are priced 10% faster; timed, the same GEMM took the same time on both
-(`benchmarks/gemm_kernels.py`). The bases tried, each scaled to equal the ridge point on the H100
-(295 FLOP/B), so that the constants compare:
-- `ridge`: the committed one, peak / HBM bandwidth;
+Why: the shape term (`cost_models.compute`) halves a GEMM's efficiency at a dimension of
+`gemm_half_ridges` × a per-GPU size. Until the ninth session it was on, with that size the GPU's
+ridge point (peak FLOP/s over HBM bytes/s): the H200, with more bandwidth, got a smaller
+half-dimension than the H100 and its GEMMs were priced 10% faster; timed, the same GEMM took the
+same time on both (`benchmarks/gemm_kernels.py`). The committed model is now `flat`. The bases
+tried, each scaled to equal the ridge point on the H100 (295 FLOP/B), so that the constants compare:
+- `ridge`: peak / HBM bandwidth (the term until the ninth session);
 - `peak`: the dense peak alone (the H200 equals the H100; the A100's is 0.32 of the H100's);
 - `absolute`: one size for every GPU;
 - `flat`: no shape term at all (what the H200's kernels show, `gemm_shapes.py --report`), and one
-  GEMM efficiency for every GPU fitted in place of `gemm_half_ridges`.
+  GEMM efficiency for every GPU fitted in its place (committed).
 
 For each basis: the constant fitted on the 41 published runs, their leave-one-family-out MAPE
-(`benchmarks/validate_published.py`'s protocol, unchanged), and the GPU rows
-(`benchmarks/gpu_rows.py`) priced at that basis and constant. The term is swapped in by replacing
-`cost_models.compute.ridge_point` for this process only: an experiment, not a setting.
+(`benchmarks/validate_published.py`'s protocol, the per-kernel time held at the committed one), and
+the GPU rows (`benchmarks/gpu_rows.py`) priced at that basis and constant. A shape basis prices at
+each GPU's own GEMM ceiling. The term is swapped in for this process only (`use`, `restore`): an
+experiment, not a setting.
 """
 
 from __future__ import annotations
@@ -49,38 +50,46 @@ BASES = {
 }
 
 
-COMMITTED_MATMUL_FOR = compute.Efficiency.matmul_for
+COMMITTED_FIELDS = {name: getattr(compute.DEFAULT_EFFICIENCY, name) for name in ("matmul", "gemm_half_ridges")}
 
 
-def use(basis: str, scale: float = 1.0, matmul: float | None = None) -> None:
-    """Price with `basis`, its constant `scale` times the committed one (the GPU rows use the
-    default efficiency); `flat`: no shape term, every GEMM at `matmul` (None: the GPU's ceiling)."""
-    compute.Efficiency.matmul_for = COMMITTED_MATMUL_FOR
+def use(basis: str, constant: float) -> None:
+    """Price with `basis` at `constant`, in this process only: a shape basis's `gemm_half_ridges`
+    over the GPU's own GEMM ceiling; `flat`: no shape term, every GEMM at efficiency `constant`.
+    The default efficiency is set in place (everything that prices reads that one instance); the
+    per-kernel time stays the committed one. `restore()` puts the committed term back."""
+    efficiency = compute.DEFAULT_EFFICIENCY
     if basis == "flat":
-        compute.ridge_point = lambda gpu, dtype: 0.0
-        if matmul is not None:
-            compute.Efficiency.matmul_for = lambda self, gpu: matmul
-        return
-    base = BASES[basis]
-    compute.ridge_point = lambda gpu, dtype: base(gpu, dtype) * scale
+        compute.ridge_point = COMMITTED
+        fields = {"matmul": constant, "gemm_half_ridges": 0.0}
+    else:
+        base = BASES[basis]
+        compute.ridge_point = base
+        fields = {"matmul": 0.0, "gemm_half_ridges": constant}
+    for name, value in fields.items():
+        object.__setattr__(efficiency, name, value)
 
 
-def published_fit(runs, flat: bool = False) -> tuple[float, float, dict[str, float]]:
-    """(constant fitted on all rows, leave-one-family-out MAPE, that MAPE per family); `flat`: the
-    constant is one GEMM efficiency for every GPU, with no shape term."""
+def restore() -> None:
+    compute.ridge_point = COMMITTED
+    for name, value in COMMITTED_FIELDS.items():
+        object.__setattr__(compute.DEFAULT_EFFICIENCY, name, value)
+
+
+def published_fit(runs, basis: str) -> tuple[float, float, dict[str, float]]:
+    """(constant fitted on all rows, leave-one-family-out MAPE, that MAPE per family) for `basis`,
+    the per-kernel time held at the committed one."""
     published._PRICED.clear()
-    committed_fitted, base = published.FITTED, published.FITTED_EFFICIENCY
-    name = "matmul" if flat else "gemm_half_ridges"
-    if flat:  # the fit's grid also tries 0, "off": here the GPU's own ceiling
-        published.FITTED = {"matmul": (0.4, 0.95)}
-        base = dataclasses.replace(base, gemm_half_ridges=0.0, matmul=0.0)
-        compute.Efficiency.matmul_for = lambda self, gpu: self.matmul or gpu.matmul_efficiency or compute.FALLBACK_MATMUL
+    committed_fitted = published.FITTED
+    name = "matmul" if basis == "flat" else "gemm_half_ridges"
+    published.FITTED = {"matmul": (0.4, 0.95)} if basis == "flat" else {"gemm_half_ridges": (0.05, 8.0)}
+    use(basis, 0.687 if basis == "flat" else 1.0)  # the ridge function; the fit sets the constant
+    base = compute.DEFAULT_EFFICIENCY
     try:
         with contextlib.redirect_stdout(io.StringIO()) as printed:
-            held_out = published.cross_validate(runs, base)
+            held_out = published.cross_validate(runs, dataclasses.replace(base))
     finally:
         published.FITTED = committed_fitted
-        compute.Efficiency.matmul_for = COMMITTED_MATMUL_FOR
     first = printed.getvalue().splitlines()[0]  # "fit on all 41 rows: gemm_half_ridges=1.709 (...)"
     constant = float(first.split(f"{name}=")[1].split()[0].rstrip(","))
     families: dict[str, list[float]] = {}
@@ -111,22 +120,19 @@ def main() -> int:
     rows = [row for path in (published.DEFAULT_RUNS, published.MORE_RUNS) for row in load_runs(str(path))[1]]
     with contextlib.redirect_stdout(io.StringIO()):
         runs = [run for run in published.traced_runs(rows) if not run.row.get("out_of_scope")]
-    committed = published.FITTED_EFFICIENCY.gemm_half_ridges
     try:
         for basis in args.bases.split(","):
-            report(basis, runs, committed)
+            report(basis, runs)
     finally:
-        compute.ridge_point = COMMITTED
-        compute.Efficiency.matmul_for = COMMITTED_MATMUL_FOR
+        restore()
         published._PRICED.clear()
     return 0
 
 
-def report(basis: str, runs, committed: float) -> None:
+def report(basis: str, runs) -> None:
     """One basis: its fit on the published runs, then the GPU rows priced at that fit."""
-    use(basis)
-    constant, lofo, per_family = published_fit(runs, flat=basis == "flat")
-    use(basis, constant / committed, matmul=constant if basis == "flat" else None)
+    constant, lofo, per_family = published_fit(runs, basis)
+    use(basis, constant)
     errors = gpu_row_errors()
     print(f"{basis:9s} constant {constant:.3g}: published leave-one-family-out MAPE {lofo:.2%} ("
           + ", ".join(f"{family} {error:.1%}" for family, error in sorted(per_family.items())) + ")")

@@ -52,19 +52,22 @@ def _facts():
 def priced_parts(preset: str, strategy: dict) -> dict[str, float]:
     """Seconds per step by part, with the committed cost model."""
     import autopar
-    from autopar.cost_models.compute import DEFAULT_EFFICIENCY, op_time_s
+    from autopar.cost_models.compute import DEFAULT_EFFICIENCY, input_casts_s, op_time_s
 
     spec, facts = _facts()
     cluster = autopar.load_cluster(preset, gpus=1)
     microbatch, count = strategy["microbatch"], strategy.get("num_microbatches", 1)
+    # one GPU at ZeRO 0: autocast over fp32 weights; its casts of the GEMMs' inputs are vector work
     efficiency = replace(DEFAULT_EFFICIENCY, compiled=strategy["compile"],
-                         padded_gemms=strategy.get("gemm_padding", True))
+                         padded_gemms=strategy.get("gemm_padding", True), autocast=True)
     parts = {"matmul": 0.0, "attention": 0.0, "vector": 0.0}
     for unit in facts.units:
         for op in unit.ops:
             if op.kind in parts:
-                parts[op.kind] += count * op_time_s(op, cluster.gpu, "bf16", batch=microbatch, tp=1, sp=False,
-                                                    efficiency=efficiency)
+                casts = input_casts_s(op, cluster.gpu, batch=microbatch, tp=1, efficiency=efficiency)
+                parts[op.kind] += count * (op_time_s(op, cluster.gpu, "bf16", batch=microbatch, tp=1, sp=False,
+                                                     efficiency=efficiency) - casts)
+                parts["vector"] += count * casts
     fixed = ",".join(f"{k}={strategy[k]}" for k in ("dp", "tp", "pp", "zero", "recompute", "microbatch"))
     fixed += f",compile={str(strategy['compile']).lower()}"
     result = autopar.plan(spec.module, spec.example_inputs(1, SEQ_LEN), cluster=cluster,

@@ -44,7 +44,8 @@ from autopar.searcher.candidates import evaluate_fitted, priced_as_run, what_if 
 DEFAULT_RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs-dev.json"
 MORE_RUNS = Path(__file__).resolve().parent / "published_runs_more.json"  # further families, each field cited
 # The fitted constants and the ranges searched (log-spaced grid, then refined around the best).
-FITTED = {"gemm_half_ridges": (0.05, 8.0)}
+# (matmul 0: the GPU's own ceiling; launch_overhead_s: per kernel, `cost_models.compute`)
+FITTED = {"matmul": (0.4, 0.95), "launch_overhead_s": (1e-6, 1e-4)}
 GRID = 9
 
 

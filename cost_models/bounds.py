@@ -20,6 +20,8 @@ policy or counts (`evaluate` fits only when every rank's peak is within it).
 
 from __future__ import annotations
 
+import dataclasses
+
 from autopar.cluster import ClusterSpec
 from autopar.plan_schema import Strategy, stage_rank
 from autopar.cost_models.collectives import tied_across_ranks
@@ -45,7 +47,7 @@ def stage_pass_floors_s(pricing: Pricing, stages_units: list[list[Unit]]
     token = part_token(pricing, "none")
     units = [unit for stage in stages_units for unit in stage]
     forward, backward, forward_comm, backward_comm, weight = pricing.cache.of_units(
-        ("unit pass floors", token), units, lambda: _unit_pass_floors(pricing, units, token))
+        ("unit pass floors", token), units, lambda: _unit_pass_floors(pricing, units))
     forward_s, backward_s, weight_s = [], [], []
     start = 0
     for stage in stages_units:
@@ -57,11 +59,20 @@ def stage_pass_floors_s(pricing: Pricing, stages_units: list[list[Unit]]
     return forward_s, backward_s, weight_s
 
 
-def _unit_pass_floors(pricing: Pricing, units: list[Unit], token) -> tuple[list[float], ...]:
-    """Per unit: forward, backward, their tp collectives and the weight-gradient part (`unit_part`)."""
-    parts = [unit_part(pricing, unit, "none", token) for unit in units]
-    return ([p.forward_s for p in parts], [p.backward_s for p in parts], [p.forward_comm_s for p in parts],
-            [p.backward_comm_s for p in parts], [pricing.timed(unit).backward_weight_s for unit in units])
+def _unit_pass_floors(pricing: Pricing, units: list[Unit]) -> tuple[list[float], ...]:
+    """Per unit: forward, backward, their tp collectives and the weight-gradient part (`unit_part`),
+    each the smaller of the unit priced with and without autocast's bytes: whether autocast runs
+    depends on keys the floor leaves out (ZeRO, offload, weight passes), and it can move fewer bytes
+    for an op (a model's own cast to fp32 is no kernel when the value is fp32 already)."""
+    pricings = [dataclasses.replace(pricing, autocast=flag) for flag in (False, True)]
+    parts = [[unit_part(p, unit, "none", part_token(p, "none")) for unit in units] for p in pricings]
+    weights = [[p.timed(unit).backward_weight_s for unit in units] for p in pricings]
+
+    def least(values: list[list[float]]) -> list[float]:
+        return [min(pair) for pair in zip(*values)]
+
+    return tuple(least([[getattr(part, name) for part in each] for each in parts])
+                 for name in ("forward_s", "backward_s", "forward_comm_s", "backward_comm_s")) + (least(weights),)
 
 
 def quick_step_floor_s(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, *,

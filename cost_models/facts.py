@@ -14,10 +14,12 @@ what a cut before it sends, are found by `units`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from autopar.cost_models.autocast import autocast_bytes
 from autopar.cost_models.context import AttentionLayer, attention_layers
 from autopar.cost_models.experts import ExpertLayer, expert_layers
 from autopar.cost_models.tp_shards import (CONTRACTIONS, column_biases, is_attention, op_packet, param_tp_dims,
@@ -53,6 +55,9 @@ class OpFacts:
     # A backward GEMM computing a weight's gradient (`weight_gradient_ops`): the W pass a zero-bubble
     # schedule runs apart from the input-gradient pass.
     weight_gradient: bool = False
+    # Per sample, under autocast over fp32 weights (`cost_models.autocast`): a vector op's activation
+    # bytes; a GEMM's or attention's, the casts of its inputs run before it. None: as traced.
+    autocast_bytes: float | None = None
 
     def reduce_bytes_for(self, batch: float, share: float = 1.0) -> float:
         """`share`: of each sequence's positions, the rank's (1/cp under context parallelism): a
@@ -200,12 +205,14 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     tokens = max(graph.batch, 1) * (graph.seq_len or 1)
     ops_by_unit: dict[str, list[OpFacts]] = {}
     weight_gradients = weight_gradient_ops(graph)
+    under_autocast = autocast_bytes(graph)
     for node in graph.nodes:
-        ops_by_unit.setdefault(unit_of[node.name], []).append(
-            _op_facts(node, status, param_bytes, per_sample,
-                      _gemm_shape(node, status, sharded, graph.batch, tokens, graph.padded_linears),
-                      node.name in weight_gradients)
-        )
+        op = _op_facts(node, status, param_bytes, per_sample,
+                       _gemm_shape(node, status, sharded, graph.batch, tokens, graph.padded_linears),
+                       node.name in weight_gradients)
+        if node.name in under_autocast and op.kind != "view":
+            op = dataclasses.replace(op, autocast_bytes=under_autocast[node.name] * per_sample)
+        ops_by_unit.setdefault(unit_of[node.name], []).append(op)
     order = list(dict.fromkeys(unit_of[n.name] for n in graph.nodes if n.phase == "forward"))
     order += [name for name in ops_by_unit if name not in order]
     layer_type_of = {inst: lt.id for lt in graph.layer_types for inst in lt.instances}

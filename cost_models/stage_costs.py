@@ -25,7 +25,7 @@ from autopar.cost_models.compute import Efficiency, UnitTime, op_time_s, unit_ti
 from autopar.cost_models.context import rank_batch, replicas, unit_exchange_s
 from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_all_to_alls, unit_expert_params
 from autopar.cost_models.facts import ModelFacts, OpFacts, Unit
-from autopar.cost_models.memory import gradients_sharded, state_bytes_per_param
+from autopar.cost_models.memory import autocast_states, gradients_sharded, state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
 from autopar.cost_models.compiled_stage import whole_stage_compiled
 from autopar.cost_models.weight_passes import weight_pass_bytes
@@ -150,14 +150,24 @@ class Pricing:
     # tp collectives once per step after backward (a dry run's record, DTensor realization)
     tp_step: tuple[tuple[str, float], ...] = ()
     selective_repeats: bool = False  # selective recompute resends `recompute_repeats` (a dry run saw it)
+    autocast: bool | None = None  # None: where the runtime runs autocast (`autocast_runs`); set by floors
+
+    def autocast_runs(self) -> bool:
+        """Whether the ops run under autocast over fp32 weights (`OpFacts.autocast_bytes`): ZeRO 0, no
+        offload, 16-bit compute, as the runtime runs it (not `weight_passes=false`: 16-bit weights)."""
+        if self.autocast is not None:
+            return self.autocast
+        s = self.strategy
+        return s.weight_passes and autocast_states(self.facts.precision, s.zero, s.offload, s.optimizer_state)
 
     def timed(self, unit: Unit) -> UnitTime:
         """One rank's passes: under cp, of its share of the micro-batch's positions (`context.rank_batch`)."""
         s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
         compiled = whole_stage_compiled(s) or (s.compile and unit.layer_type is not None)
         padded = unit.padded_gemms and gemm_padding_problem(s, dtype) is None
-        efficiency = (dataclasses.replace(self.efficiency, compiled=compiled, padded_gemms=padded)
-                      if compiled or padded else self.efficiency)
+        autocast = self.autocast_runs()
+        efficiency = (dataclasses.replace(self.efficiency, compiled=compiled, padded_gemms=padded, autocast=autocast)
+                      if compiled or padded or autocast else self.efficiency)
         key = self.cache.token(("time", gpu.name, dtype, s.microbatch, s.cp, s.tp, s.sp, efficiency))
         return self.cache.get(unit, (key,), lambda: unit_time(unit, gpu, dtype, batch=rank_batch(s), tp=s.tp,
                                                               sp=s.sp, efficiency=efficiency, share=1 / s.cp))
@@ -219,7 +229,7 @@ def part_token(pricing: Pricing, policy: str) -> tuple[str, int]:
     padded = gemm_padding_problem(s, pricing.facts.precision) is None
     return pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp,
                                 policy, s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
-                                cluster.inter_node, s.compile, compiled, padded))
+                                cluster.inter_node, s.compile, compiled, padded, pricing.autocast_runs()))
 
 
 def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,

@@ -3,6 +3,7 @@ nodes, GEMM efficiency monotone in size, the per-layer fixed overhead, the imple
 (`--strategy attention/dropout/dp_overlap/tp_overlap/optimizer_state/zero3_fetch`), the planner's memory
 headroom, and the published-run accountings the validation benchmark divides by."""
 
+import dataclasses
 import json
 import math
 import sys
@@ -18,7 +19,8 @@ from autopar.models import build_model
 from autopar.plan_schema import Strategy
 from autopar.cost_models.communication import (RING_BASE_LATENCY_S, TREE_STEP_LATENCY_S, collective_time_s,
                                                group_layout, ring_latency_s)
-from autopar.cost_models.compute import Efficiency, gemm_efficiency, op_time_s, ridge_point, unit_fixed_overhead_s
+from autopar.cost_models.compute import (FITTED_EFFICIENCY, Efficiency, gemm_efficiency, op_time_s, ridge_point,
+                                         unit_fixed_overhead_s)
 from autopar.cost_models.evaluate import evaluate
 from autopar.cost_models.facts import model_facts
 from autopar.cost_models.implementation import as_run
@@ -134,12 +136,19 @@ def test_the_layer_overhead_is_charged_once_per_layer_and_pass(plain):
 def test_priced_math_attention_and_dropout_match_the_traced_graph(plain, recompute):
     """`attention=math,dropout=0.1` on a fused graph prices what tracing the unfused, dropout model gives."""
     unfused = traced(attention="math", dropout=0.1)
-    s = Strategy(dp=2, tp=2, pp=2, microbatch=2, num_microbatches=4, recompute=recompute)
+    # as the published runs that need these knobs ran: 16-bit weights, no autocast (the runtime
+    # refuses attention=math, so autocast's fp32 softmax is never priced for it)
+    s = Strategy(dp=2, tp=2, pp=2, microbatch=2, num_microbatches=4, recompute=recompute, weight_passes=False)
     as_traced = evaluate(unfused, A100, s, 16)
     as_priced = evaluate(plain, A100, s.model_copy(update={"attention": "math", "dropout": 0.1}), 16)
-    # 3%: the traced unfused model also copies its heads' transposes (three `clone`s a layer) that the
-    # priced kernels leave out, 2.3-2.9% of this tiny model's step (a fixed 2 ms per layer hid it before)
-    assert as_priced.step_time_s == pytest.approx(as_traced.step_time_s, rel=0.03)
+    # 5%: the traced unfused model also copies its heads' transposes (three `clone`s a layer, 12
+    # kernels more than the priced ones), and this tiny model's step is mostly per-kernel time. The
+    # kernels' own work agrees to 1.5%.
+    assert as_priced.step_time_s == pytest.approx(as_traced.step_time_s, rel=0.05)
+    no_launches = dataclasses.replace(FITTED_EFFICIENCY, launch_overhead_s=0.0)
+    assert evaluate(plain, A100, s.model_copy(update={"attention": "math", "dropout": 0.1}), 16,
+                    efficiency=no_launches).step_time_s == pytest.approx(
+        evaluate(unfused, A100, s, 16, efficiency=no_launches).step_time_s, rel=0.015)
     # (the traced graph counts a dropout's mask into the next layer's input: full recompute keeps 3% more)
     assert as_priced.memory[0].activations == pytest.approx(as_traced.memory[0].activations, rel=0.04)
     fused = evaluate(plain, A100, s, 16)

@@ -102,6 +102,16 @@ def facts():
     return model_facts(graph, heads=4, vocab=VOCAB)
 
 
+@pytest.fixture(scope="module")
+def wide_facts():
+    """The same head on a 512-wide model: at enough tokens its GEMMs are compute-bound, where the
+    fallback kernel costs time (at width 64 they are bound by memory either way, and padding only
+    adds its copies)."""
+    spec = build_model("gpt", CONFIG.replace("hidden=64", "hidden=512"))
+    graph = trace(spec.module, spec.example_inputs(2), loss_fn=spec.loss_fn, precision="bf16")
+    return model_facts(graph, heads=4, vocab=VOCAB)
+
+
 def _head_products(facts):
     post = next(u for u in facts.units if u.name == "post")
     assert post.padded_gemms
@@ -154,7 +164,7 @@ def test_padded_products_are_priced_aligned_plus_their_copies(facts):
                 op_time_s(unmarked, gpu, "bf16", batch=4, tp=2, sp=False, efficiency=compiled)
 
 
-def test_plans_price_padding_where_the_runtime_pads_it(facts):
+def test_plans_price_padding_where_the_runtime_pads_it(facts, wide_facts):
     cluster = autopar.load_cluster("dgx-h100", gpus=2)
     from autopar.cost_models.evaluate import evaluate
 
@@ -162,7 +172,12 @@ def test_plans_price_padding_where_the_runtime_pads_it(facts):
     assert padding_transient_bytes(facts, ONE) == 2 * 2176 * 2 * 16  # the widest padded output gradient
     assert padding_transient_bytes(facts, ONE.model_copy(update={"tp": 2})) == 0
     unpadded = dataclasses.replace(facts, units=tuple(dataclasses.replace(u, padded_gemms=False) for u in facts.units))
-    assert one.step_time_s < evaluate(unpadded, cluster, ONE, 2).step_time_s
+    assert one.step_time_s != evaluate(unpadded, cluster, ONE, 2).step_time_s
+    many = ONE.model_copy(update={"microbatch": 256})  # 4,096 tokens: the head's GEMMs compute-bound
+    wide = evaluate(wide_facts, cluster, many, 256)
+    unpadded = dataclasses.replace(wide_facts, units=tuple(dataclasses.replace(u, padded_gemms=False)
+                                                           for u in wide_facts.units))
+    assert wide.step_time_s < evaluate(unpadded, cluster, many, 256).step_time_s
 
 
 def test_the_runtime_pads_the_plans_layers_and_trains_alike(one_process_group, monkeypatch):
@@ -190,7 +205,7 @@ def test_the_runtime_pads_the_plans_layers_and_trains_alike(one_process_group, m
     torch.testing.assert_close(torch.tensor(padded), torch.tensor(plain), rtol=1e-2, atol=0)
 
 
-def test_gemm_padding_false_prices_the_fallback_as_a_what_if(facts):
+def test_gemm_padding_false_prices_the_fallback_as_a_what_if(facts, wide_facts):
     """`--strategy gemm_padding=false` prices software that runs the layer at its own width (plain
     PyTorch, autopar before it padded); the runtime refuses to run it."""
     from autopar.capabilities import Capabilities
@@ -200,6 +215,8 @@ def test_gemm_padding_false_prices_the_fallback_as_a_what_if(facts):
     off = ONE.model_copy(update=parse_strategy("gemm_padding=false"))
     assert not off.gemm_padding and gemm_padding_problem(off, "bf16") == "gemm_padding=false"
     cluster = autopar.load_cluster("dgx-h100", gpus=1)
-    assert evaluate(facts, cluster, off, 2).step_time_s > evaluate(facts, cluster, ONE, 2).step_time_s
+    many = {"microbatch": 256}  # 4,096 tokens: the head's GEMMs compute-bound
+    assert evaluate(wide_facts, cluster, off.model_copy(update=many), 256).step_time_s > \
+        evaluate(wide_facts, cluster, ONE.model_copy(update=many), 256).step_time_s
     assert padding_transient_bytes(facts, off) == 0
     assert "gemm_padding=False prices a run of other software" in Capabilities().supports(off)
