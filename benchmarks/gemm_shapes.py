@@ -18,7 +18,9 @@ the one-GPU rows', come along as the family `gpt3-1.3b one GPU`.
 
 Timing: each product is run 20 times back to back between two CUDA events after three warm-up
 calls, in bf16, so no per-call synchronization enters the time. Products over `--max-gib` of
-operands are skipped. On CPU (`--device cpu`) the script checks itself at small sizes.
+operands are skipped. The GPU's SM clock and power are sampled meanwhile (`gpu_clock.py`): the whole
+run's in `clock`, each product's (where a sample fell in it) in its row. On CPU (`--device cpu`)
+the script checks itself at small sizes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemm_kernels import PRESETS  # noqa: E402  (the device name -> preset rule, one copy)
+from gpu_clock import ClockSampler  # noqa: E402
 
 DEFAULT_SHAPES = ROOT / "benchmarks" / "gemm_shapes.json"
 ONE_GPU = "gpt3-1.3b one GPU"
@@ -111,6 +114,7 @@ def time_products(shapes: list[dict], device: str, budget_s: float, max_gib: flo
         product = (lambda: torch.mm(a[0], b[0], out=out[0])) if count == 1 else (lambda: torch.bmm(a, b, out=out))
         for _ in range(3):
             product()
+        began_s = time.perf_counter()
         if device == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -124,7 +128,7 @@ def time_products(shapes: list[dict], device: str, budget_s: float, max_gib: flo
             for _ in range(REPEATS):
                 product()
             seconds = (time.perf_counter() - begin_s) / REPEATS
-        timed.append({**row, "time_s": seconds})
+        timed.append({**row, "time_s": seconds, "span_s": (began_s, time.perf_counter())})
         del a, b, out
     return timed
 
@@ -229,8 +233,14 @@ def main(argv: list[str] | None = None) -> int:
 
     shapes = json.loads(args.shapes.read_text())["shapes"]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    with ClockSampler() as clock:  # the SM clock and power while the products run (`gpu_clock.py`)
+        products = time_products(shapes, args.device, args.budget_s, args.max_gib, args.cap)
+    for row in products:
+        span = row.pop("span_s", None)
+        if span and clock.samples:
+            row["clock"] = clock.between(*span)
     record = {"device": device, "torch": torch.__version__, "commit": _commit(), "dtype": "bf16",
-              "repeats": REPEATS, "products": time_products(shapes, args.device, args.budget_s, args.max_gib, args.cap)}
+              "repeats": REPEATS, "clock": clock.summary(), "products": products}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     done = sum(1 for row in record["products"] if row.get("time_s") is not None)
     print(f"timed {done} of {len(shapes)} products on {device}; wrote {args.out}")

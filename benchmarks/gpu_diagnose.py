@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_suite  # noqa: E402
+from gpu_clock import ClockSampler  # noqa: E402
 
 DEFAULT_CASES = "g13-mb8-sel,g13-mb8-none,g13-mb8-none-compile,g27-mb4-offload"
 # two micro-batches, so that the smoke run sees gradients accumulated
@@ -162,7 +163,8 @@ def diagnose(case: tuple, made: dict, device: str, steps: int, attention: str | 
         ids = torch.randint(0, spec.config.vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
         for _ in range(3 if compile_ else 2):
             parallel.train_step(ids, optimizer, max_grad_norm=1.0)
-        phases = phase_times(parallel, ids, optimizer, device, 2 if plan.strategy.offload != "none" else steps)
+        with ClockSampler() as clock:  # the SM clock and power over the timed steps (`gpu_clock.py`)
+            phases = phase_times(parallel, ids, optimizer, device, 2 if plan.strategy.offload != "none" else steps)
         gpu_suite.synchronize(device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=activities) as prof:
@@ -172,7 +174,7 @@ def diagnose(case: tuple, made: dict, device: str, steps: int, attention: str | 
             profiled_s = time.perf_counter() - started
         events = prof.events()
         return {"strategy": plan.strategy.model_dump(), "predicted": made["predicted"],
-                "phases_s": phases, "profiled_step_s": profiled_s,
+                "phases_s": phases, "clock": clock.summary(), "profiled_step_s": profiled_s,
                 **kernel_summary(events), **host_summary(events)}
 
     return {"case": name + (f"@{attention}-attention" if attention else "")} | gpu_suite.guarded(measure)

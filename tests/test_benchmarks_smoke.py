@@ -118,6 +118,7 @@ def test_gpu_diagnose_runs_on_cpu(tmp_path):
     assert row["status"] == "ok" and row["case"] == "smoke-mb2x2", row
     assert set(row["phases_s"]) == {"forward_backward", "sync_gradients", "clip", "optimizer", "zero_grad_and_loss"}
     assert all(seconds > 0 for seconds in row["phases_s"].values())
+    assert set(row["clock"]) & {"unavailable", "samples"}  # the clock over the timed steps, or why not
     parameters = len(list(build_model("gpt", "layers=2,hidden=64,heads=4,vocab=257,seq_len=64").module.parameters()))
     assert row["accumulate_grad"]["count"] == 2 * parameters
     assert row["kernels"] == 0 and row["busy_s"] == 0  # no device kernels on a CPU

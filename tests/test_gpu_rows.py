@@ -141,6 +141,8 @@ def test_gemm_shapes_times_products_and_prices_them_with_the_shape_term(monkeypa
     timed = json.loads(out.read_text())["products"]
     assert [row["count"] for row in timed] == [1, 4] and all(row["time_s"] > 0 for row in timed)
     assert timed[0]["m"] == 64  # capped
+    assert all("span_s" not in row for row in timed)  # each product's clock, where sampled, replaces its span
+    assert set(json.loads(out.read_text())["clock"]) & {"unavailable", "samples"}
 
     gpu = load_cluster("dgx-h100", gpus=1).gpu
     peak, ceiling = gpu.peak_flops_per_s("bf16"), FITTED_EFFICIENCY.matmul_for(gpu)
