@@ -9,14 +9,16 @@ ops took 2.3× what the 16-bit trace priced (README, seventh session); counted o
 (`benchmarks/autocast_bytes.py`) GPT-1.3B's move 1.66× the traced bytes and a Llama's 1.13×.
 
 `autocast_bytes(graph)` propagates autocast's dtype along the graph's data flow and returns, per
-node, the activation bytes it moves under autocast (a vector op's reads and writes; a GEMM's or
-attention's: the casts of its inputs it needs first, kernels of their own). Rules, forward:
+node but views, the activation bytes it moves under autocast and its cast kernels: a vector op's
+reads and writes (0 bytes and no kernel for a cast to the dtype a tensor already has); a GEMM's or
+attention's, the casts of its inputs it needs first, kernels of their own. Rules, forward:
 - a parameter is fp32 (a GEMM reads its 16-bit cast, which `weight_passes` prices); a floating input
   is fp32; a buffer keeps its traced dtype (models cast their tables, such as rotary cos/sin, to
   the activations' dtype, which the trace cannot see); a view has its base's dtype;
 - a GEMM or attention writes 16 bits; each fp32 activation it reads is cast first (read 4 B, write
   2 B an element; once per GEMM: autocast caches only the weights' casts);
-- the ops autocast runs in fp32 (norms, softmax, the loss) write fp32;
+- the ops autocast runs in fp32 (norms, softmax, the loss, `sum`, `pow`...) write fp32, and cast a
+  16-bit input up first (autocast does not reach backward, which runs outside it);
 - a cast the model makes to the compute dtype restores the dtype its value had before the model
   cast it up (RMSNorm's `x.float() ... .type_as(x)`), else casts to 16 bits; a cast to the dtype a
   tensor already has is no kernel;
@@ -25,121 +27,176 @@ Backward:
 - the input gradient of a GEMM whose forward input was cast is cast back to fp32 (autograd's
   backward of the cast);
 - a backward GEMM reading an fp32 gradient made in backward casts it once (shared by the input- and
-  weight-gradient products of one layer); what it reads from forward is the saved 16-bit cast;
+  weight-gradient products and the bias's sum of one layer); what it reads from forward is the
+  saved 16-bit cast;
 - a differentiating kernel (`*_backward*`) writes the dtype of the forward tensor it differentiates
   (its first floating forward argument); a 16-bit gradient it reads for an fp32 one is cast first;
+- a cast in backward (autograd's backward of a model's cast up) returns the gradient to the dtype
+  the forward cast read: none where that forward cast was none (RMSNorm's `x.float()` on the fp32
+  residual); forward and backward casts are paired last in, first out by shape;
 - other ops promote, as in forward.
-What this leaves out: the weight casts and their gradients' casts (`weight_passes`), and a model's
-own casts whose target depends on its inputs in other ways. Checked against the fake-tensor count
+What this leaves out: the weight casts and their gradients' casts (`weight_passes`); a model's own
+casts whose target depends on its inputs in other ways; the cast back of attention's or a batched
+product's cast input; tensor parallelism's way of casting a block's input once before it is
+sharded (`runtime/tensor_parallel/autocast.py`: priced here as each projection's cast). Checked against the fake-tensor count
 on the zoo's models (`tests/test_autocast_bytes.py`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from autopar.cost_models.tp_shards import op_packet
-from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode
+from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode, TensorMeta
 
 FLOATING = {"float32", "bfloat16", "float16", "float64"}
 CAST_BYTES = 4 + 2  # read an fp32 element, write its 16-bit copy (or the reverse)
-# ops CUDA autocast runs in fp32 (torch/csrc/autograd/autocast_mode.cpp's fp32 list, as ATen names them)
+# ops CUDA autocast runs in fp32 (torch's autocast fp32 list, as ATen names them)
 FP32_OPS = {"native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "_softmax", "softmax",
             "_log_softmax", "log_softmax", "nll_loss_forward", "nll_loss", "nll_loss2d_forward", "mse_loss",
             "binary_cross_entropy_with_logits", "smooth_l1_loss", "l1_loss", "huber_loss", "norm",
-            "linalg_vector_norm", "cumsum", "cumprod", "prod", "exp", "log", "pow", "rsqrt", "reciprocal",
-            "_fused_rms_norm", "rms_norm"}
-_WIDTH = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+            "linalg_vector_norm", "cumsum", "cumprod", "prod", "exp", "expm1", "log", "log1p", "log2", "log10",
+            "pow", "rsqrt", "reciprocal", "sum", "softplus", "logsumexp", "erfinv", "_fused_rms_norm", "rms_norm"}
+BACKWARD_KERNELS = ("_backward", "_backward_data")
 
 
-def autocast_bytes(graph: OpGraph) -> dict[str, float]:
-    """Per node (views and ops on non-floating tensors omitted): activation bytes moved under autocast,
-    for the whole traced batch, parameters' own reads excluded (see the module docstring)."""
-    if graph.precision == "fp32":
-        return {}
-    low = "bfloat16" if graph.precision == "bf16" else "float16"
-    dtype: dict[str, list[str]] = {}  # node -> autocast dtype of each output
-    producer = {node.name: node for node in graph.nodes}
-    cast_modules: set[str] = set()  # modules whose forward GEMM cast an fp32 activation
-    cast_in_backward: set[str] = set()  # gradients already cast to 16 bits for a backward GEMM
-    moved: dict[str, float] = {}
+@dataclass(frozen=True)
+class AutocastOp:
+    """One node under autocast: the activation bytes it moves and its kernels (a GEMM's: its casts)."""
 
-    def of(name: str, meta) -> str:
+    moved_bytes: float
+    kernels: int
+
+
+@dataclass
+class _Propagation:
+    """The dtypes known so far, and what earlier nodes leave for later ones."""
+
+    graph: OpGraph
+    low: str  # the 16-bit compute dtype
+    producer: dict[str, OpNode] = field(default_factory=dict)
+    dtypes: dict[str, list[str]] = field(default_factory=dict)  # node -> autocast dtype of each output
+    cast_modules: set[str] = field(default_factory=set)  # modules whose forward GEMM cast an fp32 activation
+    # gradients cast to 16 bits for a backward GEMM -> its module, whose other ops read the cast (a bias's sum)
+    cast_gradients: dict[str, str] = field(default_factory=dict)
+    upcasts: list[tuple[tuple[int, ...], str]] = field(default_factory=list)  # forward casts up: (shape, dtype read)
+
+    def dtype_of(self, name: str, meta: TensorMeta) -> str:
+        """The autocast dtype of the input `name` (a producer node, placeholder or view) described by `meta`."""
+        if meta.dtype not in FLOATING:
+            return meta.dtype
         if name.startswith("param:"):
-            return "float32" if meta.dtype in FLOATING else meta.dtype
+            return "float32"
         if name.startswith("buffer:"):
             return meta.dtype  # tables models cast to their activations' dtype (rotary cos/sin)
-        if name.startswith("input:") or name not in dtype:
-            return "float32" if meta.dtype == low else meta.dtype
-        outputs = dtype[name]
-        return outputs[0] if outputs else meta.dtype
+        if name.startswith("input:") or name not in self.dtypes:
+            return "float32" if meta.dtype == self.low else meta.dtype
+        node = self.producer[name]
+        for traced, autocast in zip(node.output_meta, self.dtypes[name]):  # the output this meta describes
+            if traced.dtype == meta.dtype and tuple(traced.shape) == tuple(meta.shape):
+                return autocast
+        return next((autocast for traced, autocast in zip(node.output_meta, self.dtypes[name])
+                     if traced.dtype == meta.dtype), meta.dtype)
 
-    def root(name: str) -> str:
-        while name in producer and producer[name].is_view and producer[name].input_names:
-            name = producer[name].input_names[0]
+    def read_by(self, node: OpNode, name: str, meta: TensorMeta) -> str:
+        """`dtype_of`, but an op of the module whose backward GEMM cast this gradient reads the cast."""
+        dtype = self.dtype_of(name, meta)
+        if node.phase == "backward" and dtype == "float32" and not node.is_view and node.module_path \
+                and self.cast_gradients.get(self.root(name)) == node.module_path:
+            return self.low
+        return dtype
+
+    def root(self, name: str) -> str:
+        while name in self.producer and self.producer[name].is_view and self.producer[name].input_names:
+            name = self.producer[name].input_names[0]
         return name
 
+    def made_in(self, name: str, phase: str) -> bool:
+        base = self.root(name)
+        return base in self.producer and self.producer[base].phase == phase
+
+
+def autocast_bytes(graph: OpGraph) -> dict[str, AutocastOp]:
+    """Per node but views: what it moves under autocast, for the whole traced batch, parameters' own
+    reads excluded (see the module docstring). Empty for an fp32 trace."""
+    if graph.precision == "fp32":
+        return {}
+    state = _Propagation(graph, "bfloat16" if graph.precision == "bf16" else "float16",
+                         producer={node.name: node for node in graph.nodes})
+    result: dict[str, AutocastOp] = {}
     for node in graph.nodes:
-        packet = op_packet(node)
-        inputs = [(name, meta, of(name, meta)) for name, meta in zip(node.input_names, node.input_meta)]
-        floating = [(name, meta, kind) for name, meta, kind in inputs if kind in FLOATING]
+        inputs = [(name, meta, state.read_by(node, name, meta)) for name, meta in zip(node.input_names, node.input_meta)]
         if node.is_view:
-            dtype[node.name] = [inputs[0][2] if inputs else m.dtype for m in node.output_meta]
-            continue
-        if node.flops:  # GEMMs, attention, grouped and convolution products
-            dtype[node.name], moved[node.name] = _gemm(node, floating, low, root, producer, cast_modules,
-                                                       cast_in_backward)
-            continue
-        outputs = _vector_outputs(node, packet, inputs, floating, low, producer, dtype, root)
-        dtype[node.name] = outputs
-        read = sum(meta.numel * _WIDTH.get(kind, DTYPE_BYTES.get(kind, 4))
-                   for name, meta, kind in inputs if not name.startswith("param:"))
-        written = sum(meta.numel * _WIDTH.get(kind, DTYPE_BYTES.get(kind, 4))
-                      for meta, kind in zip(node.output_meta, outputs))
-        if packet == "_to_copy" and inputs and outputs and inputs[0][2] == outputs[0]:
-            read = written = 0.0  # `.to()` a dtype the tensor has: no kernel
-        extra = 0.0
-        if node.phase == "backward" and packet.endswith(("_backward", "_backward_data")) and outputs:
-            target = outputs[0]  # a 16-bit gradient read for an fp32 one is cast back first
-            for name, meta, kind in floating[:1]:
-                if kind != target and _WIDTH.get(kind, 4) < _WIDTH.get(target, 4):
-                    extra += meta.numel * CAST_BYTES
-                    read += meta.numel * (_WIDTH[target] - _WIDTH.get(kind, 4))
-        moved[node.name] = read + written + extra
-    return moved
+            state.dtypes[node.name] = [inputs[0][2] if inputs else m.dtype for m in node.output_meta]
+        elif node.flops:  # GEMMs, attention, grouped and convolution products
+            state.dtypes[node.name], result[node.name] = _product(state, node, inputs)
+        else:
+            state.dtypes[node.name], result[node.name] = _vector(state, node, inputs)
+    return result
 
 
-def _gemm(node: OpNode, floating, low: str, root, producer, cast_modules: set[str], cast_in_backward: set[str]
-          ) -> tuple[list[str], float]:
-    """A GEMM's or attention's output dtypes and the bytes of the casts its inputs need."""
+def _width(dtype: str) -> int:
+    return DTYPE_BYTES.get(dtype, 4)
+
+
+def _product(state: _Propagation, node: OpNode, inputs) -> tuple[list[str], AutocastOp]:
+    """A GEMM's or attention's output dtypes, and the casts its inputs need."""
+    low = state.low
     outputs = [low if m.dtype in FLOATING and m.dtype != "float32" else m.dtype for m in node.output_meta]
-    cast = 0.0
-    for name, meta, kind in floating:
-        base = root(name)
-        if base.startswith("param:") or kind != "float32" or meta.numel <= 1:
+    cast_bytes, casts = 0.0, 0
+    for name, meta, dtype in inputs:
+        base = state.root(name)
+        if base.startswith("param:") or dtype != "float32" or meta.numel <= 1:
             continue
         if node.phase == "forward":
-            cast += meta.numel * CAST_BYTES
-            cast_modules.add(node.module_path)
-        elif base in producer and producer[base].phase == "backward" and base not in cast_in_backward:
-            cast_in_backward.add(base)
-            cast += meta.numel * CAST_BYTES
-    reads_weight = any(root(name).startswith("param:") for name in node.input_names)
-    if node.phase == "backward" and reads_weight and node.module_path in cast_modules and outputs:
+            cast_bytes, casts = cast_bytes + meta.numel * CAST_BYTES, casts + 1
+            state.cast_modules.add(node.module_path)
+        elif state.made_in(base, "backward") and base not in state.cast_gradients:
+            state.cast_gradients[base] = node.module_path
+            cast_bytes, casts = cast_bytes + meta.numel * CAST_BYTES, casts + 1
+    reads_weight = any(state.root(name).startswith("param:") for name in node.input_names)
+    if node.phase == "backward" and reads_weight and node.module_path in state.cast_modules and outputs:
         outputs[0] = "float32"  # the input gradient, cast back to the fp32 activation's dtype
-        cast += node.output_meta[0].numel * CAST_BYTES
-    return outputs, cast
+        cast_bytes, casts = cast_bytes + node.output_meta[0].numel * CAST_BYTES, casts + 1
+    return outputs, AutocastOp(cast_bytes, casts)
 
 
-def _vector_outputs(node: OpNode, packet: str, inputs, floating, low: str, producer, dtype, root) -> list[str]:
-    """Autocast dtype of each output of a non-GEMM op (see the module docstring's rules)."""
-    widest = max((kind for name, meta, kind in floating if meta.shape), key=lambda k: _WIDTH.get(k, 4),
+def _vector(state: _Propagation, node: OpNode, inputs) -> tuple[list[str], AutocastOp]:
+    """A non-product op's output dtypes and the bytes it moves (reads, writes and any casts it needs)."""
+    packet = op_packet(node)
+    outputs = _vector_outputs(state, node, packet, inputs)
+    read_bytes = sum(meta.numel * _width(dtype) for name, meta, dtype in inputs
+                     if not state.root(name).startswith("param:"))
+    written_bytes = sum(meta.numel * _width(dtype) for meta, dtype in zip(node.output_meta, outputs))
+    if packet == "_to_copy" and inputs and outputs and inputs[0][2] == outputs[0]:
+        return outputs, AutocastOp(0.0, 0)  # `.to()` a dtype the tensor has: no kernel
+    floating = [(name, meta, dtype) for name, meta, dtype in inputs if dtype in FLOATING and meta.shape]
+    cast_bytes = 0.0
+    if node.phase == "forward" and packet in FP32_OPS:  # autocast casts a 16-bit input up first
+        cast_bytes = sum(meta.numel * CAST_BYTES for name, meta, dtype in floating
+                         if _width(dtype) < 4 and not state.root(name).startswith("param:"))
+        read_bytes += sum(meta.numel * (4 - _width(dtype)) for name, meta, dtype in floating
+                          if _width(dtype) < 4 and not state.root(name).startswith("param:"))
+    if node.phase == "backward" and packet.endswith(BACKWARD_KERNELS) and outputs and floating:
+        name, meta, dtype = floating[0]  # a 16-bit gradient read for an fp32 one is cast back first
+        if _width(dtype) < _width(outputs[0]):
+            cast_bytes += meta.numel * CAST_BYTES
+            read_bytes += meta.numel * (_width(outputs[0]) - _width(dtype))
+    return outputs, AutocastOp(read_bytes + written_bytes + cast_bytes, 1)
+
+
+def _vector_outputs(state: _Propagation, node: OpNode, packet: str, inputs) -> list[str]:
+    """Autocast dtype of each output of a non-product op (see the module docstring's rules)."""
+    low = state.low
+    widest = max((dtype for name, meta, dtype in inputs if dtype in FLOATING and meta.shape), key=_width,
                  default=None)
-    if packet in FP32_OPS:
+    if node.phase == "forward" and packet in FP32_OPS:
         widest = "float32"
-    elif packet == "_to_copy" and node.output_meta and node.output_meta[0].dtype == low:
-        widest = _restored(node, producer, dtype, root, low) if node.phase == "forward" else low
-    elif node.phase == "backward" and packet.endswith(("_backward", "_backward_data")):
-        forward = [kind for name, meta, kind in floating
-                   if root(name) in producer and producer[root(name)].phase == "forward" and meta.shape]
+    elif packet == "_to_copy" and node.output_meta and node.input_meta:
+        widest = _cast_target(state, node, inputs)
+    elif node.phase == "backward" and packet.endswith(BACKWARD_KERNELS):
+        forward = [dtype for name, meta, dtype in inputs
+                   if dtype in FLOATING and meta.shape and state.made_in(name, "forward")]
         if forward:
             widest = forward[0]
         elif packet == "embedding_dense_backward":
@@ -147,22 +204,36 @@ def _vector_outputs(node: OpNode, packet: str, inputs, floating, low: str, produ
     return [(widest or "float32") if m.dtype == low else m.dtype for m in node.output_meta]
 
 
-def _restored(node: OpNode, producer, dtype, root, low: str, depth: int = 32) -> str:
+def _cast_target(state: _Propagation, node: OpNode, inputs) -> str | None:
+    """What a model's cast writes under autocast. Up to fp32: fp32 (the dtype it read is kept, for
+    its backward). Down to the compute dtype: in forward, the dtype the value had before the model
+    cast it up; in backward, the dtype its forward cast up read."""
+    low, traced_to, traced_from = state.low, node.output_meta[0].dtype, node.input_meta[0].dtype
+    if traced_to != low:
+        if node.phase == "forward" and traced_from == low:
+            state.upcasts.append((tuple(node.input_meta[0].shape), inputs[0][2]))
+        return traced_to if traced_to in FLOATING else None
+    if node.phase == "forward":
+        return _restored(state, node)
+    shape = tuple(node.output_meta[0].shape)
+    for index in range(len(state.upcasts) - 1, -1, -1):  # last in, first out, by shape
+        if state.upcasts[index][0] == shape:
+            return state.upcasts.pop(index)[1]
+    return low
+
+
+def _restored(state: _Propagation, node: OpNode, depth: int = 32) -> str:
     """The dtype a model's cast back to the compute dtype restores: that of the value the model cast
     up to fp32 upstream (the nearest such cast within `depth` ops), else 16 bits."""
     frontier, seen = [node.input_names[0]] if node.input_names else [], set()
     while frontier and depth > 0:
         depth -= 1
-        name = root(frontier.pop(0))
-        if name in seen or name not in producer:
+        name = state.root(frontier.pop(0))
+        if name in seen or name not in state.producer:
             continue
         seen.add(name)
-        up = producer[name]
-        if op_packet(up) == "_to_copy" and up.input_meta and up.input_meta[0].dtype == low:
-            source = up.input_names[0]
-            base = root(source)
-            if base.startswith(("param:", "input:")) or base not in dtype:
-                return "float32"
-            return dtype[base][0] if dtype[base] else low
+        up = state.producer[name]
+        if op_packet(up) == "_to_copy" and up.input_meta and up.input_meta[0].dtype == state.low:
+            return state.dtype_of(up.input_names[0], up.input_meta[0])
         frontier += [n for n, m in zip(up.input_names, up.input_meta) if m.dtype in FLOATING]
-    return low
+    return state.low

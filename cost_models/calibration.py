@@ -10,9 +10,13 @@ For the ops of a traced graph that the database holds for one device, at their t
 - η_memory: median achieved bytes/s over HBM bandwidth, over elementwise ops moving ≥ 1 MiB;
 - launch overhead: median time of elementwise ops moving < 64 KiB (their time is mostly launch),
   from at least `MIN_LAUNCH_SAMPLES` of them: a profile times each op alone, synchronized, so a
-  handful of tiny ops measures the timer's own latency more than a launch in a busy stream.
-A class with no samples keeps the documented default of `cost_models.compute.Efficiency`, and the
-result says which constants were measured and from how many ops.
+  handful of tiny ops measures the timer's own latency more than a launch in a busy stream. This
+  is the kernel's own floor on the device; the fitted per-kernel time it replaces also holds the
+  host's dispatch between kernels (`cost_models.compute`), which a profile of ops timed alone
+  cannot see.
+A class with no samples keeps the base's value (`FITTED_EFFICIENCY` by default: one fitted GEMM
+efficiency and per-kernel time), and the result says which constants were measured and from how
+many ops.
 """
 
 from __future__ import annotations

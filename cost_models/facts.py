@@ -58,6 +58,8 @@ class OpFacts:
     # Per sample, under autocast over fp32 weights (`cost_models.autocast`): a vector op's activation
     # bytes; a GEMM's or attention's, the casts of its inputs run before it. None: as traced.
     autocast_bytes: float | None = None
+    # Kernels under autocast: a vector op's (0: a cast to the dtype its input has); a product's casts.
+    autocast_kernels: int = 1
 
     def reduce_bytes_for(self, batch: float, share: float = 1.0) -> float:
         """`share`: of each sequence's positions, the rank's (1/cp under context parallelism): a
@@ -211,7 +213,9 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
                        _gemm_shape(node, status, sharded, graph.batch, tokens, graph.padded_linears),
                        node.name in weight_gradients)
         if node.name in under_autocast and op.kind != "view":
-            op = dataclasses.replace(op, autocast_bytes=under_autocast[node.name] * per_sample)
+            autocast = under_autocast[node.name]
+            op = dataclasses.replace(op, autocast_bytes=autocast.moved_bytes * per_sample,
+                                     autocast_kernels=autocast.kernels)
         ops_by_unit.setdefault(unit_of[node.name], []).append(op)
     order = list(dict.fromkeys(unit_of[n.name] for n in graph.nodes if n.phase == "forward"))
     order += [name for name in ops_by_unit if name not in order]

@@ -165,9 +165,8 @@ class Pricing:
         s, gpu, dtype = self.strategy, self.cluster.gpu, self.facts.precision
         compiled = whole_stage_compiled(s) or (s.compile and unit.layer_type is not None)
         padded = unit.padded_gemms and gemm_padding_problem(s, dtype) is None
-        autocast = self.autocast_runs()
-        efficiency = (dataclasses.replace(self.efficiency, compiled=compiled, padded_gemms=padded, autocast=autocast)
-                      if compiled or padded or autocast else self.efficiency)
+        efficiency = dataclasses.replace(self.efficiency, compiled=compiled, padded_gemms=padded,
+                                         autocast=self.autocast_runs())
         key = self.cache.token(("time", gpu.name, dtype, s.microbatch, s.cp, s.tp, s.sp, efficiency))
         return self.cache.get(unit, (key,), lambda: unit_time(unit, gpu, dtype, batch=rank_batch(s), tp=s.tp,
                                                               sp=s.sp, efficiency=efficiency, share=1 / s.cp))
