@@ -134,6 +134,13 @@ class StagePrices:
     cp_comm_s: tuple[float, ...] = ()
 
 
+def runs_autocast(strategy, precision: str) -> bool:
+    """Whether the ops run under autocast over fp32 weights (`OpFacts.autocast_bytes`): ZeRO 0, no
+    offload, 16-bit compute, as the runtime runs it (not `weight_passes=false`: 16-bit weights)."""
+    s = strategy
+    return s.weight_passes and autocast_states(precision, s.zero, s.offload, s.optimizer_state)
+
+
 @dataclass(frozen=True)
 class Pricing:
     """The arguments every step of one evaluation shares."""
@@ -153,12 +160,8 @@ class Pricing:
     autocast: bool | None = None  # None: where the runtime runs autocast (`autocast_runs`); set by floors
 
     def autocast_runs(self) -> bool:
-        """Whether the ops run under autocast over fp32 weights (`OpFacts.autocast_bytes`): ZeRO 0, no
-        offload, 16-bit compute, as the runtime runs it (not `weight_passes=false`: 16-bit weights)."""
-        if self.autocast is not None:
-            return self.autocast
-        s = self.strategy
-        return s.weight_passes and autocast_states(self.facts.precision, s.zero, s.offload, s.optimizer_state)
+        """`runs_autocast` for this plan, unless a floor fixes it."""
+        return self.autocast if self.autocast is not None else runs_autocast(self.strategy, self.facts.precision)
 
     def timed(self, unit: Unit) -> UnitTime:
         """One rank's passes: under cp, of its share of the micro-batch's positions (`context.rank_batch`)."""

@@ -46,7 +46,7 @@ from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.implementation import is_runtime_profile
 from autopar.cost_models.memory import model_state_bytes, planning_capacity_bytes
-from autopar.cost_models.stage_costs import CostCache
+from autopar.cost_models.stage_costs import CostCache, runs_autocast
 from autopar.cost_models.strategy import check_strategy
 from autopar.searcher.bounded import bounded_quick_evaluations
 from autopar.searcher.candidates import fit_recompute, priced_as_run, quick_evaluations, unfitted
@@ -468,10 +468,12 @@ class Refiner:
         tp_layout = group_layout(s.tp, 1, self.cluster.gpus_per_node)
         costs = []
         gpu, cache = self.cluster.gpu, self.cost_cache
-        token = cache.token(("partition time", gpu.name, facts.precision, batch, s.tp, s.sp, self.efficiency))
+        # balanced on what the plan runs: autocast's bytes where the runtime runs autocast
+        efficiency = dataclasses.replace(self.efficiency, autocast=runs_autocast(s, facts.precision))
+        token = cache.token(("partition time", gpu.name, facts.precision, batch, s.tp, s.sp, efficiency))
         for unit in facts.units:
             t = cache.get(unit, (token,), lambda: unit_time(unit, gpu, facts.precision, batch=batch, tp=s.tp, sp=s.sp,
-                                                            efficiency=self.efficiency))
+                                                            efficiency=efficiency))
             comm = 0.0
             if s.tp > 1:
                 for total, count in ((t.forward_reduce_bytes, t.forward_reduces),

@@ -119,9 +119,13 @@ def test_golden_gpt3_175b_on_1024_a100():
     # while micro-batches accumulate, 4 B x 10.9e9 parameters per GPU at tp=2 pp=8 (44 GB), which
     # leaves that layout full recompute at micro-batch 1 (20.4 s, 23.3 s with 1F1B). ZeRO 2 with pp
     # (issue #30, `runtime.pipeline.zero_stage`) reduce-scatters them every micro-batch, and tp=4 over
-    # 2 interleaved stages of 8 chunks, recomputing the attention of a few layers, is fastest.
-    assert (s.dp, s.tp, s.pp, s.zero, s.schedule, s.vp, s.sp) == (128, 4, 2, 2, "interleaved", 8, True)
-    assert result.best.evaluation.step_time_s == pytest.approx(15.89, rel=0.02)
+    # 2 interleaved stages of 8 chunks, recomputing the attention of a few layers, was fastest at
+    # 15.89 s. Since the ninth session's refit (one GEMM efficiency, 0.687, and 13.5 us per kernel, in
+    # place of the GEMM shape term) tp=2 over 4 stages is, at 17.28 s, 0.4% ahead of that layout
+    # (17.34 s): a kernel's fixed time does not shrink with tp, while more stages give each rank
+    # fewer layers, and tp=4's smaller GEMMs are no longer priced slower.
+    assert (s.dp, s.tp, s.pp, s.zero, s.schedule, s.vp, s.sp) == (128, 2, 4, 2, "interleaved", 8, True)
+    assert result.best.evaluation.step_time_s == pytest.approx(17.28, rel=0.02)
     old = search(graph, facts, cluster, 1536, use_ilp=False, fixed={"dp": 64, "tp": 2, "pp": 8, "zero": 1})
     assert old.best.strategy.recompute == "full" and old.best.strategy.microbatch == 1
     assert old.best.evaluation.step_time_s > 1.2 * result.best.evaluation.step_time_s
