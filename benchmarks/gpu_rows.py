@@ -1,7 +1,7 @@
 """The cost model against the GPU measurements we hold: step time and memory, predicted now vs measured.
 
     python benchmarks/gpu_rows.py [--rows ../shared/gpu/h100-2026-11-26.json] [--rows benchmarks/gpu_runs/*.json]
-    python benchmarks/gpu_rows.py --fit     # the two fitted compute constants, from the dev split's anchor
+    python benchmarks/gpu_rows.py --fit     # the fitted compute constants and the allocator's slack
 
 Each row is priced as it ran, with the committed cost model, through `autopar.plan` with every key of
 its strategy fixed (a recompute without a layer count recomputes every layer): the shared rows
@@ -12,7 +12,9 @@ memory never under-predicted: predicted peak against `max_memory_reserved`, unde
 rows run under the allocator setting the runtime makes (expandable segments); rows run under the
 default allocator are shown with their worst under-prediction apart.
 `--fit` re-derives MISALIGNED_GEMM_FACTOR and COMPILE_FUSED_FRACTION (`cost_models/compute.py`) from
-the shared step anatomy alone (plain PyTorch), so autopar's own rows stay held out.
+the shared step anatomy alone (plain PyTorch), so autopar's own rows stay held out, and
+UNSHARDED_ALLOCATOR_SLACK (`cost_models/memory.py`) from the ratio of reserved to allocated bytes on
+autopar's rows under its allocator setting, which no prediction enters, with each case held out.
 """
 
 from __future__ import annotations
@@ -179,8 +181,28 @@ def table(paths: list[Path], profile: Path | None = None, only_model: str | None
     return 0
 
 
+def allocator_slack(rows: list[dict]) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(slack, each case's reserved/allocated − 1, each case's excess when held out) over the rows of the
+    runtime's one-GPU plans without ZeRO run under its allocator setting. A case's ratio is its largest
+    over the files that ran it; the slack is the largest ratio; held out, a case's excess is how far its
+    ratio exceeds the largest of the other cases (≤ 0: covered)."""
+    ratios: dict[str, float] = {}
+    for row in rows:
+        fixed = dict(item.split("=", 1) for item in row.get("fixed", "").split(",") if "=" in item) \
+            if row["status"] == "ok" else {}
+        if row["status"] != "ok" or _allocator_note(row.get("allocator", "")) or fixed.get("offload") != "none" \
+                or fixed.get("zero") != "0" or any(fixed.get(k, "1") != "1" for k in ("dp", "tp", "pp")):
+            continue
+        ratio = row["reserved_bytes"] / row["allocated_bytes"] - 1
+        ratios[row["case"]] = max(ratio, ratios.get(row["case"], ratio))
+    held_out = {case: (1 + ratio) / (1 + max((r for c, r in ratios.items() if c != case), default=0.0)) - 1
+                for case, ratio in ratios.items()}
+    return max(ratios.values(), default=0.0), ratios, held_out
+
+
 def fit() -> int:
-    """The two compute constants from the shared step anatomy (plain PyTorch, GPT-1.3B, batch 8)."""
+    """The two compute constants from the shared step anatomy (plain PyTorch, GPT-1.3B, batch 8), and the
+    allocator's slack from autopar's own rows (`allocator_slack`)."""
     import dataclasses
 
     import autopar
@@ -222,6 +244,15 @@ def fit() -> int:
     vector_s = padded["vector"] + padded["casts"]
     print(f"compile: measured saving {saved_s * 1e3:.1f} ms of {vector_s * 1e3:.1f} ms vector ops and autocast's casts "
           f"priced eager -> COMPILE_FUSED_FRACTION = {saved_s / vector_s:.3f} (committed {compute.COMPILE_FUSED_FRACTION})")
+    from autopar.cost_models.memory import UNSHARDED_ALLOCATOR_SLACK
+
+    paths = [p for p in DEFAULT_ROWS if p.exists()]
+    slack, ratios, held_out = allocator_slack([row for path in paths for row in rows_of(path)])
+    for case in sorted(ratios, key=ratios.get):
+        print(f"  {case:32} reserved/allocated {ratios[case]:+.1%}, held out {held_out[case]:+.1%} beyond the others")
+    print(f"allocator: {len(ratios)} cases under expandable segments -> UNSHARDED_ALLOCATOR_SLACK = {slack:.4f} "
+          f"(committed {UNSHARDED_ALLOCATOR_SLACK}); held out, the worst case exceeds the others' by "
+          f"{max(held_out.values(), default=0.0):+.1%}")
     return 0
 
 
@@ -229,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", action="append", type=Path, help="measurement files (default: the shared one "
                         "and benchmarks/gpu_runs/)")
-    parser.add_argument("--fit", action="store_true", help="re-derive the two fitted compute constants")
+    parser.add_argument("--fit", action="store_true", help="re-derive the two fitted compute constants and "
+                        "the allocator's slack")
     parser.add_argument("--profile", type=Path, help="price with the roofline calibrated from this op-profile "
                         "database (e.g. benchmarks/gpu_runs/h100-2026-11-26-2fef514-gpt3-1.3b.db)")
     parser.add_argument("--model", help="only the rows of this model (a profile covers one model's ops)")

@@ -82,7 +82,8 @@ def predicted(row, cluster) -> dict:
     modules = result.plan.recompute_modules if result.plan is not None else None
     if recompute != "none" and modules is not None and modules != recompute_paths(spec.module):
         print(f"  note: the plan recomputes {modules}, the tracker {recompute_paths(spec.module)}", file=sys.stderr)
-    storage = storage_bytes(memory, activation_factor(precision, 0, "none", "fp32"))  # as MemTracker counts
+    factor = activation_factor(precision, 0, "none", "fp32", autocast_counted=result.prediction.autocast_activations)
+    storage = storage_bytes(memory, factor)  # as MemTracker counts
     return {"parts": parts, "without_margin": int(storage),
             "plan_peak": int(result.prediction.peak_memory_bytes), "fits": result.fits}
 

@@ -121,6 +121,10 @@ def autocast_bytes(graph: OpGraph) -> dict[str, AutocastOp]:
     reads excluded (see the module docstring). Empty for an fp32 trace."""
     if graph.precision == "fp32":
         return {}
+    return _propagate(graph)[1]
+
+
+def _propagate(graph: OpGraph) -> tuple[_Propagation, dict[str, AutocastOp]]:
     state = _Propagation(graph, "bfloat16" if graph.precision == "bf16" else "float16",
                          producer={node.name: node for node in graph.nodes})
     result: dict[str, AutocastOp] = {}
@@ -132,7 +136,85 @@ def autocast_bytes(graph: OpGraph) -> dict[str, AutocastOp]:
             state.dtypes[node.name], result[node.name] = _product(state, node, inputs)
         else:
             state.dtypes[node.name], result[node.name] = _vector(state, node, inputs)
-    return result
+    return state, result
+
+
+def autocast_saved_bytes(graph: OpGraph) -> dict[str, float]:
+    return autocast_activations(graph)[0]
+
+
+def autocast_activations(graph: OpGraph) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """Per forward node, the bytes it keeps for backward under autocast, for the whole traced batch (the
+    trace's own count is `OpNode.saved_bytes`). What backward reads, as the trace marks it
+    (`graph.convert._mark_saved`), at autocast's dtypes:
+    - a forward output at its autocast dtype, counted once; a cast to the dtype a tensor already has
+      (RMSNorm's `x.float()` of the fp32 residual, its `type_as` back) is that tensor, not a copy, and
+      is charged to that cast, in the reader's unit, as the trace charges it;
+    - what a backward GEMM reads of an fp32 activation is the 16-bit cast its module's forward GEMM
+      made: one copy per module (autocast caches only the weights' casts), so separate q, k and v
+      projections keep three casts of their block's input where the trace keeps one tensor.
+    `autocast_activations` also returns each node's output dtypes under autocast (a unit's input, the
+    residual, is fp32 there). Both empty for an fp32 trace."""
+    if graph.precision == "fp32":
+        return {}, {}
+    state, _ = _propagate(graph)
+    alias = {node.name: node.input_names[0] for node in graph.nodes
+             if op_packet(node) == "_to_copy" and node.input_names and node.output_meta
+             and state.dtype_of(node.input_names[0], node.input_meta[0]) == state.dtypes[node.name][0]}
+
+    def resolved(name: str) -> tuple[str, str]:
+        """(the node the trace charges a read to, the tensor it is under autocast): a cast that is
+        no copy resolves to its source, and is charged where the trace charged it (the reader's unit)."""
+        charged = name = state.root(name)
+        while name in alias:
+            name = state.root(alias[name])
+        return charged, name
+
+    kept: dict[tuple, tuple[str, float]] = {}  # what stays alive -> (the forward node it is charged to, bytes)
+    for node in graph.nodes:
+        if node.phase != "backward":
+            continue
+        taken: set[tuple[str, int]] = set()  # outputs this node reads already (LayerNorm's mean and rstd)
+        for name, meta in zip(node.input_names, node.input_meta):
+            charged, base = resolved(name)
+            if base not in state.producer or state.producer[base].phase != "forward":
+                continue
+            if node.flops and meta.dtype in FLOATING and meta.dtype != "float32" and meta.numel > 1 \
+                    and state.dtype_of(name, meta) == "float32":
+                kept.setdefault((base, node.module_path, tuple(meta.shape)), (charged, meta.numel * _width(state.low)))
+                continue
+            index = _output_index(state.producer[base], meta, {i for b, i in taken if b == base})
+            taken.add((base, index))
+            produced = state.producer[base].output_meta[index]
+            kept.setdefault((base, index), (charged, produced.numel * _width(state.dtypes[base][index])))
+    saved: dict[str, float] = {}
+    for base, size in kept.values():
+        saved[base] = saved.get(base, 0.0) + size
+    return saved, state.dtypes
+
+
+def _output_index(node: OpNode, meta: TensorMeta, taken: set[int] = frozenset()) -> int:
+    """Which output of `node` a reader's `meta` describes, among those it has not matched yet (`taken`):
+    same dtype and shape, else same shape, else the first (a view or a cast in between changed them)."""
+    for match in (lambda m: m.dtype == meta.dtype and tuple(m.shape) == tuple(meta.shape),
+                  lambda m: tuple(m.shape) == tuple(meta.shape)):
+        for index, produced in enumerate(node.output_meta):
+            if index not in taken and match(produced):
+                return index
+    return 0
+
+
+def autocast_activation_factor(graph: OpGraph) -> float | None:
+    """Bytes kept for backward under autocast per byte the 16-bit trace keeps, over the repeated layers
+    (over the whole graph where it has none); None for an fp32 trace or a graph that keeps nothing.
+    The zoo GPT's 1.25 and Llama's 1.04 (`tests/test_autocast_bytes.py`)."""
+    if graph.precision == "fp32":
+        return None
+    saved = autocast_saved_bytes(graph)
+    layered = [node for node in graph.nodes if node.layer is not None]
+    nodes = layered if any(node.saved_bytes for node in layered) else graph.nodes
+    traced = sum(node.saved_bytes for node in nodes)
+    return sum(saved.get(node.name, 0.0) for node in nodes) / traced if traced else None
 
 
 def _width(dtype: str) -> int:

@@ -7,7 +7,8 @@ layers separate a layer's share from the rest (the embedding, the final norm, th
 - **A layer** keeps 1.189 GiB for GPT-1.3B at micro-batch 8 × 2048 (1.001 GiB traced, the cost model's
   activations), and 0.602 GiB for a Llama of hidden 2048, GQA 16/8, at micro-batch 4 × 2048 (0.844
   traced), autocast's 16-bit weight copies apart (they are counted with the weights). The larger ratio
-  is taken, as `memory.AUTOCAST_ACTIVATION_FACTOR` takes the larger of eager's (40/32).
+  is taken, applied to the traced bytes (eager's are counted at autocast's dtypes op by op,
+  `autocast.autocast_saved_bytes`; its measured 40/32 stands in where they are not).
 - **The loss** keeps the logits in their compute precision, not the fp32 log-probabilities that eager
   autograd saves and the trace counts (GPT-1.3B: 1.74 GiB beside the layers against 3.20 traced; the
   Llama: 2.02 against 4.10), and its backward writes the logits' gradient once, in their dtype, from one

@@ -38,8 +38,8 @@ from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, 
 from autopar.cost_models.offload import OffloadCost, host_capacity_bytes, node_host_bytes, offload_cost
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
 from autopar.cost_models.recompute import fewest_recomputed_layers, one_more_layer
-from autopar.cost_models.stage_costs import (CostCache, Pricing, StageCost, StagePrices, price_stages,
-                                             unit_activation_bytes)
+from autopar.cost_models.stage_costs import (CostCache, Pricing, StageCost, StagePrices, autocast_activations,
+                                             price_stages, unit_activation_bytes)
 from autopar.cost_models.optimizer import step_bytes_per_param
 from autopar.cost_models.strategy import even_stage_layers
 
@@ -72,8 +72,10 @@ class Evaluation:
     # may place there (`cost_models.offload`); 0 without offload.
     host_memory_bytes: float = 0.0
     host_capacity_bytes: float = 0.0
-    # Device bytes per traced activation byte (`memory.activation_scale`): what recompute counts save.
+    # Device bytes per activation byte priced (`memory.activation_scale`): what recompute counts save.
     activation_scale: float = 1 + FRAGMENTATION_MARGIN
+    # Whether the activations were counted at autocast's dtypes (`stage_costs.autocast_activations`).
+    autocast_activations: bool = False
 
     @property
     def fits_host(self) -> bool:
@@ -274,9 +276,9 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
                                                                             for u in stages_units[i]], s)
             if s.cp > 1 else 0.0,
             num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl, pp=s.pp,
-            compiled=compiled_layers(s),
+            compiled=compiled_layers(s), autocast_counted=autocast_activations(pricing),
             # the loss's gradients live before the first recomputed layer's transient: the larger counts
-            loss_bytes=max(0.0, loss_gradient_bytes(pricing.facts, s) + padding_transient_bytes(pricing.facts, s)
+            loss_bytes=max(0.0, head_gradient_bytes(pricing.facts, s)
                            - max(prices.stages[i].transient_bytes for i in stage_indices))
             if len(prices.stages) - 1 in stage_indices else 0.0,
         )
@@ -315,6 +317,22 @@ def compiled_loss_saving_bytes(facts, s: Strategy) -> float:
         return 0.0
     saved, _ = loss_bytes_per_logit(facts.precision, compiled=True)
     return (EAGER_SAVED_BYTES_PER_LOGIT - saved) * _logits(facts, s)
+
+
+def head_gradient_bytes(facts: ModelFacts, s: Strategy) -> float:
+    """What the head's backward holds beside the activations, at its largest: the loss's gradients
+    (`loss_gradient_bytes`) or, where the runtime pads a misaligned layer, the padded copy of its output
+    gradient (`padding_transient_bytes`) beside the 16-bit gradient it copies; eager, the cast to 16 bits
+    comes after the loss's fp32 gradients are freed, and a stage compiled whole writes the padded
+    gradient in place of the other. So the two do not add: on one H200 (0621687, 51e73c2), GPT-1.3B with
+    its 50,257-wide head padded at runtime allocated what the model built 50,304 wide did, eager
+    (56.6 GiB both) and compiled whole (47.5 GiB both), where their sum priced it 1.5 GiB more."""
+    loss = loss_gradient_bytes(facts, s)
+    padding = padding_transient_bytes(facts, s)
+    if not padding:
+        return loss
+    source = 0.0 if _compiled_loss(facts, s) or not facts.vocab else 2.0 * _logits(facts, s)
+    return max(loss, source + padding)
 
 
 def padding_transient_bytes(facts: ModelFacts, s: Strategy) -> float:
@@ -366,7 +384,9 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
         host_capacity = host_capacity_bytes(pricing.cluster)
     return Evaluation(
         strategy=s, global_batch=global_batch, seq_len=facts.seq_len, step_time_s=step_time,
-        activation_scale=activation_scale(facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s)),
+        activation_scale=activation_scale(facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s),
+                                          autocast_activations(pricing)),
+        autocast_activations=autocast_activations(pricing),
         tokens_per_s=tokens / step_time, tflops_per_gpu=tflops_per_gpu,
         mfu=tflops_per_gpu * 1e12 / gpu.peak_flops_per_s(facts.precision),
         fits=all(m.total_bytes <= capacity for m in memory) and host_bytes <= host_capacity,
@@ -388,16 +408,20 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
         return evaluation
     b, tp, sp = rank_batch(s), s.tp, s.sp
     # per unit, computed once: the count search below sums them over every prefix of every rank
-    saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none", cache),
-                     unit_activation_bytes(u, b, tp, sp, s.recompute, cache))
+    autocast = evaluation.autocast_activations
+    rebuilt = "full" if s.recompute == "full" else "selective_saved"  # what recomputing it leaves out
+    saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none", cache, autocast),
+                     unit_activation_bytes(u, b, tp, sp, s.recompute, cache, autocast),
+                     unit_activation_bytes(u, b, tp, sp, rebuilt, cache, autocast))
              for units in stages for u in units}
 
     def keeps(unit: Unit) -> float:
-        kept, recomputed = saved[id(unit)]
+        kept, recomputed, _ = saved[id(unit)]
         return kept - recomputed
 
     def transient(unit: Unit) -> float:
-        return saved[id(unit)][0] if s.recompute == "full" else keeps(unit)
+        kept, _, left = saved[id(unit)]
+        return saved[id(unit)][0] if s.recompute == "full" else kept - left
 
     counts = fewest_recomputed_layers(
         strategy=s, stages=stages, total_bytes=[m.total_bytes for m in evaluation.memory],

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from autopar.cost_models.autocast import autocast_bytes
+from autopar.cost_models.autocast import autocast_activation_factor, autocast_activations, autocast_bytes
 from autopar.cost_models.context import AttentionLayer, attention_layers
 from autopar.cost_models.experts import ExpertLayer, expert_layers
 from autopar.cost_models.tp_shards import (CONTRACTIONS, column_biases, is_attention, op_packet, param_tp_dims,
@@ -60,6 +60,13 @@ class OpFacts:
     autocast_bytes: float | None = None
     # Kernels under autocast: a vector op's (0: a cast to the dtype its input has); a product's casts.
     autocast_kernels: int = 1
+    # Per sample, what it keeps for backward under autocast (`autocast.autocast_saved_bytes`); None: as traced.
+    autocast_saved_bytes: float | None = None
+    # Per sample, the outputs of a forward GEMM with a weight (a projection) or of fused attention,
+    # which selective recompute's policy keeps whether or not backward reads them (`runtime.recompute`);
+    # 0 for other ops (a product of two activations, such as unfused attention's scores, is the
+    # attention core Megatron-LM's selective recompute rebuilds; the runtime runs attention fused).
+    output_bytes: float = 0.0
 
     def reduce_bytes_for(self, batch: float, share: float = 1.0) -> float:
         """`share`: of each sequence's positions, the rank's (1/cp under context parallelism): a
@@ -121,6 +128,8 @@ class Unit:
     # Parallel to param_shapes: False for a parameter no op reads. It gets no gradient, so FSDP2
     # reduce-scatters nothing for it; a dp bucket still all-reduces its (zero) gradient.
     param_read: tuple[bool, ...] = ()
+    # Per sample, `input_bytes` at autocast's dtypes (the fp32 residual); None: not counted (fp32 trace).
+    autocast_input_bytes: float | None = None
 
     def params_on_device(self, tp: int) -> float:
         """Parameters one tp rank holds: its shard of the sharded ones, all of the rest."""
@@ -180,6 +189,9 @@ class ModelFacts:
     param_tp_dims: dict[str, int] = field(default_factory=dict)  # tensor-parallel shard dim of each sharded parameter
     experts: tuple[ExpertLayer, ...] = ()  # MoE layers, for expert parallelism
     attention: tuple[AttentionLayer, ...] = ()  # attention calls, for context parallelism
+    # bytes kept for backward under autocast per traced byte (`autocast.autocast_activation_factor`);
+    # None: not counted (an fp32 trace, facts built by hand), `memory.AUTOCAST_ACTIVATION_FACTOR` applies
+    autocast_activation_factor: float | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -208,6 +220,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     ops_by_unit: dict[str, list[OpFacts]] = {}
     weight_gradients = weight_gradient_ops(graph)
     under_autocast = autocast_bytes(graph)
+    saved_under_autocast, autocast_dtypes = autocast_activations(graph)
     for node in graph.nodes:
         op = _op_facts(node, status, param_bytes, per_sample,
                        _gemm_shape(node, status, sharded, graph.batch, tokens, graph.padded_linears),
@@ -216,6 +229,8 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
             autocast = under_autocast[node.name]
             op = dataclasses.replace(op, autocast_bytes=autocast.moved_bytes * per_sample,
                                      autocast_kernels=autocast.kernels)
+        if autocast_dtypes and node.phase == "forward":
+            op = dataclasses.replace(op, autocast_saved_bytes=saved_under_autocast.get(node.name, 0.0) * per_sample)
         ops_by_unit.setdefault(unit_of[node.name], []).append(op)
     order = list(dict.fromkeys(unit_of[n.name] for n in graph.nodes if n.phase == "forward"))
     order += [name for name in ops_by_unit if name not in order]
@@ -230,6 +245,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
         if name not in owner and order:
             owner[name] = order[0]
     first_input = unit_input_bytes(graph, unit_of, per_sample)
+    autocast_input = unit_input_bytes(graph, unit_of, per_sample, autocast_dtypes) if autocast_dtypes else None
     cuts = cut_tensors(graph, unit_of, order, per_sample)
     elementwise_read = {p for node in graph.nodes if node.phase == "forward"
                         and op_packet(node) not in CONTRACTIONS and op_packet(node) != "embedding" for p in node.params}
@@ -260,6 +276,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
             param_trainable=tuple(params[p].trainable for p, u in owner.items() if u == name),
             param_read=tuple(p in read_anywhere for p, u in owner.items() if u == name),
             padded_gemms=any(op.gemm is not None and op.gemm.padding is not None for op in ops_by_unit[name]),
+            autocast_input_bytes=None if autocast_input is None else autocast_input.get(name, 0.0),
         )
         for name in order
     )
@@ -267,6 +284,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
         model_name=graph.model_name, precision=graph.precision, seq_len=graph.seq_len or 1, units=units,
         num_params=graph.num_params, heads=heads, kv_heads=kv_heads, vocab=vocab,
         param_tp_dims=tp_dims, experts=expert_layers(graph, unit_of), attention=attention_layers(graph, unit_of),
+        autocast_activation_factor=autocast_activation_factor(graph),
     )
 
 
@@ -347,4 +365,6 @@ def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sampl
         reduce_bytes=reduce_bytes if unbatched else reduce_bytes * per_sample,
         saved_bytes=node.saved_bytes * per_sample, saved_sharded=out == "S", reduce_per_microbatch=unbatched,
         gemm=gemm if kind == "matmul" else None, weight_gradient=weight_gradient,
+        output_bytes=sum(m.bytes for m in node.output_meta) * per_sample
+        if node.phase == "forward" and (kind == "attention" or (kind == "matmul" and weight)) else 0.0,
     )

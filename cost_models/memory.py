@@ -20,7 +20,8 @@ torch's MemTracker, `_unsharded_peak`):
   replicated norm inputs are kept whole on each tp rank (counted).
 - Gradients are held at the compute precision (2 bytes); Megatron-LM accumulates them in an fp32
   buffer (4 bytes), so its runs hold 2 bytes per parameter more than predicted here.
-- The fragmentation margin and the CUDA/NCCL reserve are nominal (below) until measured.
+- The fragmentation margin under ZeRO and the CUDA/NCCL reserve are nominal (below); without ZeRO the
+  allocator's slack is measured (`UNSHARDED_ALLOCATOR_SLACK`).
 """
 
 from __future__ import annotations
@@ -40,17 +41,24 @@ DDP_BUCKET_BYTES = 25 * 2**20
 # buffer), and fragment little.
 FRAGMENTATION_MARGIN = 0.05
 # Autocast over fp32 weights (the runtime without ZeRO) keeps more per layer than the bf16 trace: the
-# norms' fp32 inputs and the per-consumer bf16 casts of their outputs. MemTracker on fake tensors
-# (`benchmarks/memory_tracker_shapes.py`): 40 against 32 bytes per token and hidden unit per layer on
-# the zoo GPT, 59 against 56 on the zoo Llama; the GPT's ratio, the larger, is taken.
+# norms' fp32 inputs and the per-consumer bf16 casts of their outputs. Counted op by op from each model's
+# graph where the facts carry the count (`OpFacts.autocast_saved_bytes`, `Unit.autocast_input_bytes`:
+# the zoo GPT keeps 1.25 of its traced bytes without recompute, Llama 1.04). Where they do not (facts
+# built by hand, Megatron-LM's 16-bit weights priced as a what-if), the GPT's ratio, the larger,
+# measured with MemTracker on fake tensors (`benchmarks/memory_tracker_shapes.py`: 40 against 32 bytes
+# per token and hidden unit per layer), applied to the traced bytes.
 AUTOCAST_ACTIVATION_FACTOR = 40 / 32
 # The caching allocator's reserve beyond what tensors hold, without ZeRO (the runtime's one-GPU and dp
-# plans): fitted on the shared H100 rows (../shared/gpu/h100-2026-11-26.json, the dev split) as the
-# smallest fraction of the churned bytes (activations, transients, the loss's buffers) at which no
-# row's max_memory_reserved is above the prediction by more than 2%: 0.20 (full recompute, which
-# allocates and frees a layer's activations per layer, sets it; 0.05 left it 7.1% under). Held out
-# (benchmarks/gpu_runs/, 2fef514): the full-recompute row still 6.3% under, the others over.
-UNSHARDED_FRAGMENTATION_MARGIN = 0.20
+# plans, under the expandable segments it sets: `runtime/allocator.py`), as a fraction of what they hold:
+# the largest max_memory_reserved / max_memory_allocated − 1 of the runtime's own one-GPU H200 rows
+# (benchmarks/gpu_runs/, 16 cases; `python benchmarks/gpu_rows.py --fit`). It is 0.1–0.8% without
+# recompute, and 3.0–6.4% where the step frees and re-allocates blocks of changing size (recompute, a
+# vocabulary the step pads, Llama); GPT-1.3B with full recompute at micro-batch 16 sets it. Held out
+# case by case, the worst case reserves 0.4% more than the others allow, and held out as a family (every
+# full-recompute case) 0.8%. It replaces a margin of 0.20 on the churned bytes (activations and
+# transients), fitted on the shared H100 rows under the default allocator, which left GPT-2.7B with
+# full recompute 6% under when held out and over-predicted the other rows by 6.5–18%.
+UNSHARDED_ALLOCATOR_SLACK = 0.0642
 RESERVED_BYTES = 2 * 2**30
 # Under offload FSDP2 gathers a unit from its fp32 host shard: the shard is first copied to the device
 # whole (4 bytes per parameter), then cast to the compute dtype (2) for the all-gather
@@ -148,6 +156,7 @@ def device_memory(
     loss_bytes: float = 0.0,
     pp: int = 1,
     compiled: bool = False,
+    autocast_counted: bool = False,
 ) -> MemoryBreakdown:
     """`offload="optimizer"` (FSDP2's CPUOffloadPolicy): every sharded state lives in host memory
     (`cost_models.offload`): the optimizer states (fp32 master weights and moments) always, the
@@ -157,7 +166,8 @@ def device_memory(
     `expert_params` (ep > 1): of `params_on_device`, this rank's expert slices, whose ZeRO shards
     over their `expert_dp` = dp/ep replicas (`cost_models.experts`). `pp`: under pipeline stages
     ZeRO 3 holds whole gradients (`gradients_sharded`). `compiled`: the stage compiled whole without
-    recompute, whose activations min-cut partitions (`cost_models.compiled_stage`)."""
+    recompute, whose activations min-cut partitions (`cost_models.compiled_stage`). `autocast_counted`:
+    `activation_bytes` are at autocast's dtypes already (`stage_costs.autocast_activations`)."""
     dense = model_state_bytes(params_on_device - expert_params, precision, zero, dp, optimizer_state, pp,
                               num_microbatches)
     sliced = model_state_bytes(expert_params, precision, zero, expert_dp, optimizer_state, pp, num_microbatches)
@@ -179,7 +189,8 @@ def device_memory(
     buffers += exchange_bytes  # cp: the attention exchange's blocks in flight (`cost_models.context`)
     if unsharded_states(zero, offload, optimizer_state):
         return _unsharded_peak(params_on_device, activation_bytes, buffers, loss_bytes, num_microbatches,
-                               optimizer_impl, autocast_states(precision, zero, offload, optimizer_state), compiled)
+                               optimizer_impl, autocast_states(precision, zero, offload, optimizer_state), compiled,
+                               autocast_counted)
     buffers += loss_bytes  # the last stage: the cross entropy's gradients at the head (`evaluate.loss_gradient_bytes`)
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
@@ -197,21 +208,29 @@ def unsharded_states(zero: int, offload: str, optimizer_state: str) -> bool:
     return zero == 0 and offload == "none" and optimizer_state == "fp32"
 
 
-def activation_factor(precision: str, zero: int, offload: str, optimizer_state: str, compiled: bool = False) -> float:
-    """Stored bytes per byte of traced activations: autocast's extra, where it runs; a stage compiled
-    whole keeps what inductor's min-cut partition saves instead (`cost_models.compiled_stage`)."""
+def activation_factor(precision: str, zero: int, offload: str, optimizer_state: str, compiled: bool = False,
+                      autocast_counted: bool = False) -> float:
+    """Stored bytes per byte of the activations priced: autocast's extra, where it runs and the
+    activations were not counted at its dtypes (`autocast_counted`: 1, else `AUTOCAST_ACTIVATION_FACTOR`
+    on the traced bytes); a stage compiled whole keeps what inductor's min-cut partition saves instead
+    (`cost_models.compiled_stage`)."""
     if not autocast_states(precision, zero, offload, optimizer_state):
         return COMPILED_FP32_ACTIVATION_FACTOR if compiled and unsharded_states(zero, offload, optimizer_state) else 1.0
-    return COMPILED_ACTIVATION_FACTOR if compiled else AUTOCAST_ACTIVATION_FACTOR
+    if compiled:
+        return COMPILED_ACTIVATION_FACTOR
+    return 1.0 if autocast_counted else AUTOCAST_ACTIVATION_FACTOR
 
 
 def fragmentation(zero: int, offload: str, optimizer_state: str) -> float:
-    return UNSHARDED_FRAGMENTATION_MARGIN if unsharded_states(zero, offload, optimizer_state) else FRAGMENTATION_MARGIN
+    """The allocator's margin per byte of activations: the slack on all held bytes where states are whole
+    (`UNSHARDED_ALLOCATOR_SLACK`), else the nominal margin on the churned bytes."""
+    return UNSHARDED_ALLOCATOR_SLACK if unsharded_states(zero, offload, optimizer_state) else FRAGMENTATION_MARGIN
 
 
-def activation_scale(precision: str, zero: int, offload: str, optimizer_state: str, compiled: bool = False) -> float:
-    """Device bytes per byte of traced activations: autocast's extra and the allocator's margin."""
-    return (activation_factor(precision, zero, offload, optimizer_state, compiled)
+def activation_scale(precision: str, zero: int, offload: str, optimizer_state: str, compiled: bool = False,
+                     autocast_counted: bool = False) -> float:
+    """Device bytes per byte of the activations priced: autocast's extra and the allocator's margin."""
+    return (activation_factor(precision, zero, offload, optimizer_state, compiled, autocast_counted)
             * (1 + fragmentation(zero, offload, optimizer_state)))
 
 
@@ -224,7 +243,7 @@ def storage_bytes(memory: MemoryBreakdown, factor: float) -> float:
 
 def _unsharded_peak(params: float, activation_bytes: float, buffers: float, loss_bytes: float,
                     num_microbatches: int, optimizer_impl: str, autocast: bool,
-                    compiled: bool = False) -> MemoryBreakdown:
+                    compiled: bool = False, autocast_counted: bool = False) -> MemoryBreakdown:
     """Without ZeRO the runtime holds fp32 weights, and mixed precision is autocast over them. Measured
     with torch's MemTracker on fake tensors (`profiler/memory_tracker.py`, within ~1% of an H100's
     max_memory_allocated on GPT-1.3B), the step has two peaks:
@@ -234,19 +253,24 @@ def _unsharded_peak(params: float, activation_bytes: float, buffers: float, loss
     - the optimizer step: weights, gradients and moments (16 B) and the implementation's temporaries
       (`cost_models.optimizer`: 4 B for foreach).
     The larger is the peak (per parameter: 14 or 18 B beside the activations, or 16 B + temporaries).
-    Activations are the graph's, traced in the compute precision; under autocast the residual stream
-    stays fp32 and each linear casts its input apart, so they hold more (`AUTOCAST_ACTIVATION_FACTOR`).
-    The extra is counted in the margin, beside fragmentation, so the activations stay the graph's and
-    `activation_scale` is the one ratio from them to the peak (what recompute counts save)."""
-    scale = activation_scale("bf16" if autocast else "fp32", 0, "none", "fp32", compiled)
-    margin = UNSHARDED_FRAGMENTATION_MARGIN
+    Activations are the graph's: under autocast the residual stream stays fp32 and each linear casts its
+    input apart, so they hold more than the 16-bit trace, counted op by op where `autocast_counted`
+    (`stage_costs.autocast_activations`), else the traced bytes times `AUTOCAST_ACTIVATION_FACTOR`.
+    The extra is counted in the margin, beside the allocator's slack on all of it
+    (`UNSHARDED_ALLOCATOR_SLACK`), so the activations stay the graph's and `activation_scale` is the one
+    ratio from them to the peak (what recompute counts save)."""
+    factor = activation_factor("bf16" if autocast else "fp32", 0, "none", "fp32", compiled, autocast_counted)
+    slack = UNSHARDED_ALLOCATOR_SLACK
+    states = (6 if autocast else 4) * params + (4 * params if num_microbatches > 1 else 0.0) + 8 * params
+    held = states + factor * activation_bytes + buffers + loss_bytes
     backward = MemoryBreakdown(parameters=(6 if autocast else 4) * params,
                                gradients=4 * params if num_microbatches > 1 else 0.0, optimizer_states=8 * params,
                                activations=activation_bytes, buffers=buffers + loss_bytes,
-                               margin=(scale - 1) * activation_bytes + margin * (buffers + loss_bytes))
+                               margin=(factor - 1) * activation_bytes + slack * held)
+    step_states = (16 + temporary_bytes_per_param(optimizer_impl)) * params
     step = MemoryBreakdown(parameters=4 * params, gradients=4 * params,
                            optimizer_states=(8 + temporary_bytes_per_param(optimizer_impl)) * params,
-                           activations=0.0, buffers=buffers, margin=margin * buffers)
+                           activations=0.0, buffers=buffers, margin=slack * (step_states + buffers))
     return max(backward, step, key=lambda part: part.total_bytes)
 
 

@@ -27,7 +27,7 @@ from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_
 from autopar.cost_models.facts import ModelFacts, OpFacts, Unit
 from autopar.cost_models.memory import autocast_states, gradients_sharded, state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
-from autopar.cost_models.compiled_stage import whole_stage_compiled
+from autopar.cost_models.compiled_stage import compiled_layers, whole_stage_compiled
 from autopar.cost_models.weight_passes import weight_pass_bytes
 
 
@@ -190,27 +190,46 @@ class Pricing:
 
 
 def unit_activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
-                          cache: CostCache | None = None) -> float:
-    """Bytes a unit keeps from forward to backward for one micro-batch on one tp rank."""
+                          cache: CostCache | None = None, autocast: bool = False) -> float:
+    """Bytes a unit keeps from forward to backward for one micro-batch on one tp rank; `autocast`: at
+    autocast's dtypes where the facts count them (`autocast_activations`)."""
     if cache is None:
-        return _activation_bytes(unit, batch, tp, sp, recompute)
-    return cache.get(unit, ("activations", batch, tp, sp, recompute),
-                     lambda: _activation_bytes(unit, batch, tp, sp, recompute))
+        return _activation_bytes(unit, batch, tp, sp, recompute, autocast)
+    return cache.get(unit, ("activations", batch, tp, sp, recompute, autocast),
+                     lambda: _activation_bytes(unit, batch, tp, sp, recompute, autocast))
 
 
-def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str) -> float:
+def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str, autocast: bool = False) -> float:
+    """Full recompute keeps the unit's input. Selective keeps it, what the products save, and every
+    output of the projections and fused attention (`OpFacts.output_bytes`), as the runtime's policy
+    caches them (`runtime.recompute`), read by backward or not; it recomputes the vector ops,
+    autocast's casts among them. `selective_saved`: of what
+    selective keeps, what backward reads (the rest of a layer's saved bytes is what recomputing it
+    rebuilds). None: every op's saved bytes."""
+    counted = autocast and unit.autocast_input_bytes is not None
+    kept_input = (unit.autocast_input_bytes if counted else unit.input_bytes) * batch / (tp if sp else 1)
     if recompute == "full":
-        return unit.input_bytes * batch / (tp if sp else 1)
+        return kept_input
     total = 0.0
     for op in unit.forward_ops:
-        if not op.saved_bytes:
+        saved = op.autocast_saved_bytes if counted and op.autocast_saved_bytes is not None else op.saved_bytes
+        if recompute != "none" and op.kind == "vector":
             continue
-        if recompute == "selective" and op.kind == "vector":
-            continue
-        total += op.saved_bytes * batch / (tp if (op.saved_sharded or sp) else 1)
-    if recompute == "selective":
-        total += unit.input_bytes * batch / (tp if sp else 1)
+        if recompute == "selective":
+            saved = max(saved, op.output_bytes)
+        if saved:
+            total += saved * batch / (tp if (op.saved_sharded or sp) else 1)
+    if recompute != "none":
+        total += kept_input
     return total
+
+
+def autocast_activations(pricing: Pricing) -> bool:
+    """Whether activations are counted at autocast's dtypes: where the runtime runs autocast and the
+    facts count them (`ModelFacts.autocast_activation_factor`), but not for a stage compiled whole
+    without recompute, whose min-cut ratio is to the traced bytes (`compiled_stage`)."""
+    return (pricing.autocast_runs() and pricing.facts.autocast_activation_factor is not None
+            and not compiled_layers(pricing.strategy))
 
 
 def unit_part(pricing: Pricing, unit: Unit, policy: str, token: tuple[str, int] | None = None) -> UnitPart:
@@ -254,7 +273,8 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
     s, cache = pricing.strategy, pricing.cache
     b = rank_batch(s)  # one rank's positions: b/cp sequences' worth
     t = pricing.timed(unit)
-    full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache)
+    autocast = autocast_activations(pricing)
+    full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache, autocast)
     recompute_s = transient = 0.0
     if policy == "full":
         if s.tp == 1:
@@ -270,7 +290,7 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         if pricing.selective_repeats and pricing.recompute_repeats and s.tp > 1:
             recompute_s += sum(pricing.tp_time_s(kind, size * b) for kind, size in
                                pricing.recompute_repeats.get(unit.name, ()))
-        transient = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective", cache)
+        transient = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective_saved", cache, autocast)
     return UnitPart(
         forward_s=t.forward_s, backward_s=t.backward_s,
         forward_comm_s=_tp_reduce_time_s(pricing, t.forward_reduce_bytes, t.forward_reduces, t.forward_collectives,
@@ -278,7 +298,7 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         backward_comm_s=_tp_reduce_time_s(pricing, t.backward_reduce_bytes, t.backward_reduces,
                                           t.backward_collectives, t.backward_matmul_s),
         recompute_s=recompute_s, transient_bytes=transient,
-        activation_bytes=unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache),
+        activation_bytes=unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache, autocast),
         params_on_device=unit.params_on_device(s.tp))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from autopar.graph.ir import OpGraph, TensorMeta
+from autopar.graph.ir import DTYPE_BYTES, OpGraph, TensorMeta
 
 
 class CutTensor(NamedTuple):
@@ -62,11 +62,15 @@ def assign_units(graph: OpGraph) -> dict[str, str]:
     return {name: renamed.get(unit, unit) for name, unit in unit_of.items()}
 
 
-def unit_input_bytes(graph: OpGraph, unit_of: dict[str, str], per_sample: float) -> dict[str, float]:
-    """Bytes of forward activations that enter each unit from an earlier unit."""
+def unit_input_bytes(graph: OpGraph, unit_of: dict[str, str], per_sample: float,
+                     dtypes: dict[str, list[str]] | None = None) -> dict[str, float]:
+    """Bytes of forward activations that enter each unit from an earlier unit; with `dtypes` (each
+    node's output dtypes, `autocast.autocast_activations`), at those dtypes."""
     producer_unit = {n.name: unit_of[n.name] for n in graph.nodes}
     sizes: dict[str, float] = {}
-    output_bytes = {n.name: sum(m.bytes for m in n.output_meta) for n in graph.nodes}
+    output_bytes = {n.name: sum(m.numel * DTYPE_BYTES.get(dtype, 4) for m, dtype in
+                                zip(n.output_meta, (dtypes or {}).get(n.name) or [m.dtype for m in n.output_meta]))
+                    for n in graph.nodes}
     for node in graph.nodes:
         if node.phase != "forward":
             continue

@@ -3,11 +3,13 @@ step run both ways on fake tensors and counted op by op (`benchmarks/autocast_by
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from autopar.cost_models.autocast import CAST_BYTES, autocast_bytes
+from autopar.cost_models.autocast import (CAST_BYTES, autocast_activation_factor, autocast_bytes,
+                                          autocast_saved_bytes)
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, op_time_s
 from autopar.cost_models.tp_shards import op_packet
 from autopar.graph.ir import DTYPE_BYTES
@@ -125,3 +127,99 @@ def test_autocast_prices_the_counted_bytes_only_when_asked():
     assert price(norm, under) > 1.9 * price(norm, plain)
     assert price(gemm, under) - price(gemm, plain) == pytest.approx(gemm.autocast_bytes * 4 / bandwidth)
     assert DEFAULT_EFFICIENCY.autocast is False  # the stage pricing sets it per plan
+
+
+def _layer_saved(graph, saved, layer):
+    return (sum(n.saved_bytes for n in graph.nodes if n.layer == layer),
+            sum(saved.get(n.name, 0.0) for n in graph.nodes if n.layer == layer))
+
+
+def test_what_a_gpt_block_keeps_under_autocast():
+    """Per token and hidden unit (n = b·s·h), a GPT block keeps 8n bytes more under autocast than the
+    16-bit trace: each LayerNorm's input is the fp32 residual (+2n twice), and the q, k and v
+    projections each keep their own cast of the first norm's fp32 output where the trace keeps one
+    tensor (+4n); MemTracker measured 40 against 32 bytes per layer (`memory.AUTOCAST_ACTIVATION_FACTOR`)."""
+    _, graph, facts = traced_zoo("gpt", CASES[0][1], batch=2)
+    saved = autocast_saved_bytes(graph)
+    n = 2 * 128 * 256
+    for layer in ("layers.0", "layers.1"):
+        traced, autocast = _layer_saved(graph, saved, layer)
+        assert traced / n == pytest.approx(32, rel=0.01)
+        assert (autocast - traced) / n == pytest.approx(8, rel=0.01)
+    assert autocast_activation_factor(graph) == pytest.approx(40 / 32, rel=0.01)
+    assert facts.autocast_activation_factor == autocast_activation_factor(graph)
+
+
+def test_what_a_llama_block_keeps_under_autocast():
+    """Llama's RMSNorm casts its input up and back: in the trace these are fp32 copies kept apart (two
+    of 4n each, and the 16-bit result, 2n), under autocast the fp32 residual itself (counted once, by
+    the layer that made it) and the fp32 normalized value (4n). Its q, k, v keep three casts (+4n), gate
+    and up two (+2n). Net +2n over the trace's 56n per layer: a factor of 1.04 where the GPT's is 1.25."""
+    _, graph, facts = traced_zoo("llama", CASES[1][1], batch=2)
+    saved = autocast_saved_bytes(graph)
+    n = 2 * 128 * 256
+    for layer in ("layers.0", "layers.1"):
+        traced, autocast = _layer_saved(graph, saved, layer)
+        assert traced / n == pytest.approx(56, rel=0.01)
+        assert (autocast - traced) / n == pytest.approx(2, rel=0.01)
+    assert facts.autocast_activation_factor == pytest.approx(58 / 56, rel=0.01)
+
+
+def test_an_fp32_trace_has_no_autocast_count_and_memory_falls_back_to_the_measured_factor():
+    from autopar.cost_models.memory import AUTOCAST_ACTIVATION_FACTOR, activation_factor
+
+    _, graph, facts = traced_zoo("gpt", CASES[0][1], batch=2, precision="fp32")
+    assert autocast_saved_bytes(graph) == {} and facts.autocast_activation_factor is None
+    assert all(op.autocast_saved_bytes is None for unit in facts.units for op in unit.ops)
+    assert all(unit.autocast_input_bytes is None for unit in facts.units)
+    assert activation_factor("bf16", 0, "none", "fp32") == AUTOCAST_ACTIVATION_FACTOR  # traced bytes
+    assert activation_factor("bf16", 0, "none", "fp32", autocast_counted=True) == 1.0  # counted already
+    assert activation_factor("bf16", 3, "none", "fp32") == 1.0  # 16-bit weights: as traced
+
+
+@pytest.mark.parametrize("family,config", CASES)
+def test_a_plan_keeps_each_policy_s_bytes_at_autocast_s_dtypes(family, config):
+    """Without ZeRO the activations are counted at autocast's dtypes, policy by policy: none keeps
+    every op's autocast bytes (a layer's: the model's factor times its traced bytes); full recompute
+    the layer's input, the fp32 residual (twice the traced bf16 input); selective that input and every
+    product's outputs, which the runtime's policy caches (`runtime.recompute`), read by backward or not."""
+    from autopar.cost_models.stage_costs import unit_activation_bytes
+
+    _, graph, facts = traced_zoo(family, config, batch=2)
+    layer = facts.units[facts.layer_units[0]]
+    traced_none = unit_activation_bytes(layer, 2, 1, False, "none")
+    assert unit_activation_bytes(layer, 2, 1, False, "none", autocast=True) == pytest.approx(
+        sum(op.autocast_saved_bytes for op in layer.forward_ops) * 2)
+    assert unit_activation_bytes(layer, 2, 1, False, "full", autocast=True) == pytest.approx(
+        2 * unit_activation_bytes(layer, 2, 1, False, "full")) == pytest.approx(2 * layer.input_bytes * 2)
+    products = sum(max(op.output_bytes, op.autocast_saved_bytes) for op in layer.forward_ops
+                   if op.kind in ("matmul", "attention"))
+    assert unit_activation_bytes(layer, 2, 1, False, "selective", autocast=True) == pytest.approx(
+        (products + layer.autocast_input_bytes) * 2)
+    outputs = [op for op in layer.forward_ops if op.kind == "matmul"]
+    assert len(outputs) >= 6 and all(op.output_bytes > 0 for op in outputs)  # q, k, v, o, and the MLP's
+    assert traced_none < unit_activation_bytes(layer, 2, 1, False, "none", autocast=True)
+
+
+def test_a_plan_s_memory_uses_its_model_s_autocast_count():
+    """The activations of a plan without ZeRO are counted at autocast's dtypes (no factor on top), and
+    the allocator's slack applies to everything held; a Llama keeps less per traced byte than a GPT."""
+    from autopar.cluster import load_cluster
+    from autopar.cost_models.evaluate import evaluate
+    from autopar.cost_models.memory import UNSHARDED_ALLOCATOR_SLACK
+    from autopar.cost_models.strategy import Strategy
+
+    one = Strategy(dp=1, tp=1, pp=1, microbatch=2, num_microbatches=1)
+    per_traced = {}
+    for family, config in CASES:
+        _, _, facts = traced_zoo(family, config, batch=2)
+        evaluation = evaluate(facts, load_cluster("dgx-h100", gpus=1), one, 2)
+        assert evaluation.autocast_activations
+        assert evaluation.activation_scale == pytest.approx(1 + UNSHARDED_ALLOCATOR_SLACK)
+        memory = evaluation.memory[0]
+        held = memory.parameters + memory.gradients + memory.optimizer_states + memory.buffers + memory.activations
+        assert memory.total_bytes == pytest.approx(held * (1 + UNSHARDED_ALLOCATOR_SLACK))
+        traced = evaluate(dataclasses.replace(facts, autocast_activation_factor=None),
+                          load_cluster("dgx-h100", gpus=1), one, 2).memory[0].activations
+        per_traced[family] = memory.activations / traced
+    assert 1.0 < per_traced["llama"] < per_traced["gpt"]

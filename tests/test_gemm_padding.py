@@ -177,6 +177,25 @@ def test_plans_price_padding_where_the_runtime_pads_it(facts, wide_facts):
     assert wide.step_time_s < evaluate(unpadded, cluster, many, 256).step_time_s
 
 
+def test_the_padded_copy_of_the_head_s_gradient_does_not_add_to_the_loss_s_gradients(facts):
+    """The head's backward peaks at the loss's gradients or at the padded copy beside the 16-bit gradient
+    it copies, whichever is larger (`evaluate.head_gradient_bytes`): eager, two fp32 logits-sized
+    gradients (8 B a logit) against 2 + 2·2176/2051 B; compiled whole, one bf16 gradient (2 B) against
+    the copy written in its place (2·2176/2051 B)."""
+    from autopar.cost_models.evaluate import head_gradient_bytes, loss_gradient_bytes
+
+    logits = 2 * 16 * VOCAB  # micro-batch 2, seq 16
+    copy = 2 * 2176 * 2 * 16
+    assert padding_transient_bytes(facts, ONE) == copy
+    assert loss_gradient_bytes(facts, ONE) == 8 * logits
+    assert head_gradient_bytes(facts, ONE) == 8 * logits  # eager: the fp32 gradients are the larger
+    compiled = ONE.model_copy(update={"compile": True})
+    assert loss_gradient_bytes(facts, compiled) == 2 * logits
+    assert head_gradient_bytes(facts, compiled) == copy  # not 2·logits + copy
+    off = ONE.model_copy(update={"gemm_padding": False})
+    assert head_gradient_bytes(facts, off) == loss_gradient_bytes(facts, off) == 8 * logits
+
+
 def test_the_runtime_pads_the_plans_layers_and_trains_alike(one_process_group, monkeypatch):
     """A bf16 plan at tp = pp = 1 runs the head padded, says so, and trains as the unpadded run."""
     from autopar.runtime import gemm_padding
