@@ -326,7 +326,9 @@ def head_gradient_bytes(facts: ModelFacts, s: Strategy) -> float:
     comes after the loss's fp32 gradients are freed, and a stage compiled whole writes the padded
     gradient in place of the other. So the two do not add: on one H200 (0621687, 51e73c2), GPT-1.3B with
     its 50,257-wide head padded at runtime allocated what the model built 50,304 wide did, eager
-    (56.6 GiB both) and compiled whole (47.5 GiB both), where their sum priced it 1.5 GiB more."""
+    (56.6 GiB both) and compiled whole (47.5 GiB both), where their sum priced it 1.5 GiB more. Measured
+    without ZeRO only; the copied gradient is taken as the logits' (the widest padded layer is the head
+    in the zoo and Hugging Face's models)."""
     loss = loss_gradient_bytes(facts, s)
     padding = padding_transient_bytes(facts, s)
     if not padding:

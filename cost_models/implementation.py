@@ -92,7 +92,10 @@ def as_run(facts: ModelFacts, attention: str = "fused", dropout: float = 0.0) ->
                     for i in range(sites) for phase in ("forward", "backward")]
         units.append(dataclasses.replace(unit, ops=tuple(ops)) if len(ops) != len(unit.ops) or ops != list(unit.ops)
                      else unit)
-    return dataclasses.replace(facts, units=tuple(units), extra={**facts.extra, "implementation": key})
+    # the ops added here are not counted at autocast's dtypes (unfused attention's scores are fp32 under
+    # it): memory prices the traced bytes times `memory.AUTOCAST_ACTIVATION_FACTOR`, as for uncounted facts
+    return dataclasses.replace(facts, units=tuple(units), extra={**facts.extra, "implementation": key},
+                               autocast_activation_factor=None)
 
 
 def _scores_per_sample(facts: ModelFacts) -> float:

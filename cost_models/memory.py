@@ -53,7 +53,7 @@ AUTOCAST_ACTIVATION_FACTOR = 40 / 32
 # the largest max_memory_reserved / max_memory_allocated − 1 of the runtime's own one-GPU H200 rows
 # (benchmarks/gpu_runs/, 16 cases; `python benchmarks/gpu_rows.py --fit`). It is 0.1–0.8% without
 # recompute, and 3.0–6.4% where the step frees and re-allocates blocks of changing size (recompute, a
-# vocabulary the step pads, Llama); GPT-1.3B with full recompute at micro-batch 16 sets it. Held out
+# misaligned vocabulary, Llama); GPT-1.3B with full recompute at micro-batch 16 sets it. Held out
 # case by case, the worst case reserves 0.4% more than the others allow, and held out as a family (every
 # full-recompute case) 0.8%. It replaces a margin of 0.20 on the churned bytes (activations and
 # transients), fitted on the shared H100 rows under the default allocator, which left GPT-2.7B with

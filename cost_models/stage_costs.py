@@ -206,6 +206,8 @@ def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
     autocast's casts among them. `selective_saved`: of what
     selective keeps, what backward reads (the rest of a layer's saved bytes is what recomputing it
     rebuilds). None: every op's saved bytes."""
+    if recompute not in ("none", "selective", "selective_saved", "full"):
+        raise ValueError(f"unknown recompute policy {recompute!r}")
     counted = autocast and unit.autocast_input_bytes is not None
     kept_input = (unit.autocast_input_bytes if counted else unit.input_bytes) * batch / (tp if sp else 1)
     if recompute == "full":
@@ -250,7 +252,8 @@ def part_token(pricing: Pricing, policy: str) -> tuple[str, int]:
     padded = gemm_padding_problem(s, pricing.facts.precision) is None
     return pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp,
                                 policy, s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
-                                cluster.inter_node, s.compile, compiled, padded, pricing.autocast_runs()))
+                                cluster.inter_node, s.compile, compiled, padded, pricing.autocast_runs(),
+                                autocast_activations(pricing)))  # it also depends on s.recompute and the facts
 
 
 def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,

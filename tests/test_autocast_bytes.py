@@ -152,8 +152,9 @@ def test_what_a_gpt_block_keeps_under_autocast():
 
 def test_what_a_llama_block_keeps_under_autocast():
     """Llama's RMSNorm casts its input up and back: in the trace these are fp32 copies kept apart (two
-    of 4n each, and the 16-bit result, 2n), under autocast the fp32 residual itself (counted once, by
-    the layer that made it) and the fp32 normalized value (4n). Its q, k, v keep three casts (+4n), gate
+    of 4n each, and the 16-bit result, 2n), under autocast the fp32 residual itself (counted once, charged
+    to the norm's cast in the layer that reads it, as the trace charges its copy) and the fp32
+    normalized value (4n). Its q, k, v keep three casts (+4n), gate
     and up two (+2n). Net +2n over the trace's 56n per layer: a factor of 1.04 where the GPT's is 1.25."""
     _, graph, facts = traced_zoo("llama", CASES[1][1], batch=2)
     saved = autocast_saved_bytes(graph)
@@ -223,3 +224,32 @@ def test_a_plan_s_memory_uses_its_model_s_autocast_count():
                           load_cluster("dgx-h100", gpus=1), one, 2).memory[0].activations
         per_traced[family] = memory.activations / traced
     assert 1.0 < per_traced["llama"] < per_traced["gpt"]
+
+
+def test_a_shared_cost_cache_keeps_counted_and_uncounted_activations_apart():
+    """Compiled whole, recompute none prices min-cut's ratio on the traced bytes; with recompute the
+    same units are counted at autocast's dtypes. A cache shared by both (the search's, its floors
+    first) must not hand one plan the other's activation bytes."""
+    from autopar.cluster import load_cluster
+    from autopar.cost_models.evaluate import evaluate
+    from autopar.cost_models.stage_costs import CostCache
+    from autopar.cost_models.strategy import Strategy
+
+    _, _, facts = traced_zoo("gpt", CASES[0][1], batch=2)
+    cluster = load_cluster("dgx-h100", gpus=1)
+    compiled = Strategy(dp=1, tp=1, pp=1, microbatch=2, num_microbatches=1, compile=True)
+    selective = compiled.model_copy(update={"recompute": "selective"})
+    fresh = evaluate(facts, cluster, selective, 2).memory[0].activations
+    shared = CostCache()
+    evaluate(facts, cluster, compiled, 2, cache=shared)
+    assert evaluate(facts, cluster, selective, 2, cache=shared).memory[0].activations == fresh
+
+
+def test_a_what_if_implementation_prices_its_new_ops_uncounted():
+    """`attention=math` adds ops (fp32 scores under autocast) the count never saw: the facts it returns
+    carry no count, so memory falls back to the traced bytes times the measured factor."""
+    from autopar.cost_models.implementation import as_run
+
+    _, _, facts = traced_zoo("gpt", CASES[0][1], batch=2)
+    assert facts.autocast_activation_factor is not None
+    assert as_run(facts, "math").autocast_activation_factor is None
