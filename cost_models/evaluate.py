@@ -411,10 +411,11 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
     b, tp, sp = rank_batch(s), s.tp, s.sp
     # per unit, computed once: the count search below sums them over every prefix of every rank
     autocast = evaluation.autocast_activations
-    rebuilt = "full" if s.recompute == "full" else "selective_saved"  # what recomputing it leaves out
+    # (kept without recompute, kept under the policy, what recomputing the unit does not rebuild)
     saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none", cache, autocast),
                      unit_activation_bytes(u, b, tp, sp, s.recompute, cache, autocast),
-                     unit_activation_bytes(u, b, tp, sp, rebuilt, cache, autocast))
+                     0.0 if s.recompute == "full" else
+                     unit_activation_bytes(u, b, tp, sp, "selective_saved", cache, autocast))
              for units in stages for u in units}
 
     def keeps(unit: Unit) -> float:
@@ -423,7 +424,7 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
 
     def transient(unit: Unit) -> float:
         kept, _, left = saved[id(unit)]
-        return saved[id(unit)][0] if s.recompute == "full" else kept - left
+        return kept - left
 
     counts = fewest_recomputed_layers(
         strategy=s, stages=stages, total_bytes=[m.total_bytes for m in evaluation.memory],
