@@ -7,14 +7,14 @@ For the ops of a traced graph that the database holds for one device, at their t
   achieved FLOP/s over peak of the larger half (by FLOPs) of matmul ops: the measured efficiency
   divided by the shape's factor, so the penalty is not counted twice;
 - η_attention: the same over fused-attention ops;
-- η_memory: the HBM bandwidth fraction of the slope of time against bytes, a least-squares line
-  through the elementwise ops moving ≥ 1 MiB. An op timed alone, synchronized, pays a fixed floor
-  (20–26 µs in the H100 and H200 profiles we hold) beside its bytes; the line's intercept takes
-  it, and the step's per-kernel time prices it instead. A median of bytes over time charged the
-  floor to every byte: the H100 profile's median is 0.61 where its slope is 0.99,
-  and a step priced on it, whose vector ops move autocast's larger bytes, paid the floor twice
-  (+4% to +19% on the H100 rows at 0c55a6b). Too few sizes for a line, or a line that does not
-  rise: the median, as before;
+- η_memory: the HBM bandwidth fraction at which the elementwise ops moving ≥ 1 MiB, priced as a step
+  prices them (bytes over that bandwidth, plus the per-kernel time each), sum to the time they
+  took: total bytes over total time less a per-kernel time per op. An op timed alone pays a fixed
+  floor beside its bytes; the per-kernel time takes it, not the bandwidth. The median of each op's
+  bytes over its time, used before, charged the floor to every byte and weighed a 1 MiB op as
+  much as a 1 GiB one: the shared H100 profile's median is 0.61 where its ops sum to 0.82, and the
+  step, whose vector ops move autocast's larger bytes, then paid the floor twice (+4% to +19% on
+  the H100 rows at 0c55a6b). Where the per-kernel time alone would exceed their time: bytes over time;
 - launch overhead: median time of elementwise ops moving < 64 KiB (their time is mostly launch),
   from at least `MIN_LAUNCH_SAMPLES` of them: a profile times each op alone, synchronized, so a
   handful of tiny ops measures the timer's own latency more than a launch in a busy stream. This
@@ -77,28 +77,27 @@ def calibrate(graph: OpGraph, times_s: dict[str, float], gpu: GpuSpec, device_na
                 (lambda n: 1.0)
             values[kind] = min(1.0, statistics.median(n.flops / t / peak / shape(n) for n, t in large))
             samples[kind] = len(large)
-    moving = [(n.bytes_read + n.bytes_written, t) for n, t in by_kind["vector"]
-              if n.bytes_read + n.bytes_written >= _LARGE_BYTES]
-    if moving:
-        values["memory"] = min(1.0, _bytes_per_s(moving) / gpu.hbm_bandwidth_bytes_per_s)
-        samples["memory"] = len(moving)
     tiny = [t for n, t in by_kind["vector"] if n.bytes_read + n.bytes_written < _SMALL_BYTES]
     if len(tiny) >= MIN_LAUNCH_SAMPLES:
         values["launch_overhead_s"] = statistics.median(tiny)
         samples["launch_overhead_s"] = len(tiny)
+    moving = [(n.bytes_read + n.bytes_written, t) for n, t in by_kind["vector"]
+              if n.bytes_read + n.bytes_written >= _LARGE_BYTES]
+    if moving:
+        per_kernel_s = values.get("launch_overhead_s", base.launch_overhead_s)
+        values["memory"] = min(1.0, _bytes_per_s(moving, per_kernel_s) / gpu.hbm_bandwidth_bytes_per_s)
+        samples["memory"] = len(moving)
     return Calibration(efficiency=replace(base, **values), device_name=device_name, samples=samples)
 
 
-def _bytes_per_s(moved_and_times: list[tuple[int, float]]) -> float:
-    """Bytes per second as the least-squares slope of time against bytes (its intercept is the fixed
-    floor of a kernel timed alone); the median of bytes over time where a line cannot say it."""
-    moved = [float(b) for b, _ in moved_and_times]
-    times = [t for _, t in moved_and_times]
-    if len(set(moved)) >= 2:
-        slope, _ = statistics.linear_regression(moved, times)
-        if slope > 0:
-            return 1.0 / slope
-    return statistics.median(b / t for b, t in zip(moved, times))
+def _bytes_per_s(moved_and_times: list[tuple[int, float]], per_kernel_s: float) -> float:
+    """The bandwidth at which these ops, priced as a step prices them (bytes over the bandwidth plus
+    `per_kernel_s` each), sum to the time they took; their bytes over their time where the per-kernel
+    time alone would take it all."""
+    moved = sum(b for b, _ in moved_and_times)
+    took = sum(t for _, t in moved_and_times)
+    left = took - per_kernel_s * len(moved_and_times)
+    return moved / (left if left > 0 else took)
 
 
 def _gemm_shape_factor(node: OpNode, gpu: GpuSpec, dtype: str, base: Efficiency) -> float:
