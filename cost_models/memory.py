@@ -261,17 +261,34 @@ def _unsharded_peak(params: float, activation_bytes: float, buffers: float, loss
     ratio from them to the peak (what recompute counts save)."""
     factor = activation_factor("bf16" if autocast else "fp32", 0, "none", "fp32", compiled, autocast_counted)
     slack = UNSHARDED_ALLOCATOR_SLACK
-    states = (6 if autocast else 4) * params + (4 * params if num_microbatches > 1 else 0.0) + 8 * params
+    weights, gradients, moments = _backward_state_bytes_per_param(autocast, num_microbatches)
+    states = (weights + gradients + moments) * params
     held = states + factor * activation_bytes + buffers + loss_bytes
-    backward = MemoryBreakdown(parameters=(6 if autocast else 4) * params,
-                               gradients=4 * params if num_microbatches > 1 else 0.0, optimizer_states=8 * params,
-                               activations=activation_bytes, buffers=buffers + loss_bytes,
-                               margin=(factor - 1) * activation_bytes + slack * held)
-    step_states = (16 + temporary_bytes_per_param(optimizer_impl)) * params
+    backward = MemoryBreakdown(parameters=weights * params, gradients=gradients * params,
+                               optimizer_states=moments * params, activations=activation_bytes,
+                               buffers=buffers + loss_bytes, margin=(factor - 1) * activation_bytes + slack * held)
+    step_states = _step_state_bytes_per_param(optimizer_impl) * params
     step = MemoryBreakdown(parameters=4 * params, gradients=4 * params,
                            optimizer_states=(8 + temporary_bytes_per_param(optimizer_impl)) * params,
                            activations=0.0, buffers=buffers, margin=slack * (step_states + buffers))
     return max(backward, step, key=lambda part: part.total_bytes)
+
+
+def _backward_state_bytes_per_param(autocast: bool, num_microbatches: int) -> tuple[int, int, int]:
+    """(weights, gradients, moments) per parameter at `_unsharded_peak`'s backward peak: fp32 weights and,
+    under autocast, their bf16 copies; fp32 gradients where earlier micro-batches accumulated them."""
+    return (6 if autocast else 4), (4 if num_microbatches > 1 else 0), 8
+
+
+def _step_state_bytes_per_param(optimizer_impl: str) -> float:
+    """Per parameter at `_unsharded_peak`'s optimizer step: weights, gradients, moments, temporaries."""
+    return 16 + temporary_bytes_per_param(optimizer_impl)
+
+
+def unsharded_state_bytes_per_param(autocast: bool, num_microbatches: int, optimizer_impl: str) -> float:
+    """The bytes per parameter a plan without ZeRO holds at the larger of its two peaks, activations
+    aside (`_unsharded_peak`): what the intra-op ILP's memory row charges a weight (`searcher.memory_budget`)."""
+    return max(sum(_backward_state_bytes_per_param(autocast, num_microbatches)), _step_state_bytes_per_param(optimizer_impl))
 
 
 def usable_bytes(memory_bytes: float) -> float:

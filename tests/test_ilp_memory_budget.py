@@ -6,7 +6,7 @@ import pytest
 from autopar.cluster import load_cluster
 from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY
-from autopar.cost_models.memory import FRAGMENTATION_MARGIN, RESERVED_BYTES, usable_bytes
+from autopar.cost_models.memory import RESERVED_BYTES, fragmentation, usable_bytes
 from autopar.runtime.tensor_parallel.realization import capabilities_for
 from autopar.searcher.memory_budget import layer_budget
 from autopar.searcher.search import Refiner
@@ -37,8 +37,9 @@ def cluster_with_layer_budget(facts, budget_bytes):
     reference = load_cluster("dgx-h100", gpus=4).model_copy(update={"memory_headroom": 0.0})
     ref = layer_budget(facts, reference, STRATEGY, 2)
     layers_per_rank = len(facts.layer_units)
-    fixed_costs = usable_bytes(reference.gpu.memory_bytes) / (1 + FRAGMENTATION_MARGIN) - ref.bytes * layers_per_rank
-    capacity = (budget_bytes * layers_per_rank + fixed_costs) * (1 + FRAGMENTATION_MARGIN) + RESERVED_BYTES
+    margin = fragmentation(STRATEGY.zero, STRATEGY.offload, STRATEGY.optimizer_state)
+    fixed_costs = usable_bytes(reference.gpu.memory_bytes) / (1 + margin) - ref.bytes * layers_per_rank
+    capacity = (budget_bytes * layers_per_rank + fixed_costs) * (1 + margin) + RESERVED_BYTES
     gpu = reference.gpu.model_copy(update={"memory_bytes": int(capacity)})
     return reference.model_copy(update={"gpu": gpu})
 
@@ -82,3 +83,51 @@ def test_an_impossible_budget_keeps_the_fastest_sharding(tiny):
     _, proposed = impossible.proposals(STRATEGY)
     assert impossible.ilp_budgeted >= 1
     assert all(options == ["R"] for options in layer_weights(proposed).values())
+
+
+def test_the_layer_budget_charges_what_the_evaluator_counts(tiny):
+    """Without ZeRO the runtime runs autocast over fp32 weights: the ILP's row charges each weight what
+    the evaluator's peak holds per parameter, the activations at autocast's dtypes, and the allocator's
+    slack on everything; under ZeRO 3 the states FSDP2 shards and the traced (16-bit) activations."""
+    from autopar.cost_models.memory import (UNSHARDED_ALLOCATOR_SLACK, FRAGMENTATION_MARGIN, model_state_bytes,
+                                            planning_capacity_bytes)
+
+    _, _, facts = tiny
+    cluster = load_cluster("dgx-h100", gpus=4)
+    capacity = planning_capacity_bytes(cluster.gpu.memory_bytes, cluster.memory_headroom)
+    assert facts.autocast_activation_factor > 1.1  # a GPT layer keeps its fp32 residual and 16-bit casts
+    unsharded = layer_budget(facts, cluster, STRATEGY, 2)
+    # two micro-batches: fp32 weights, their bf16 copies, accumulated fp32 gradients, moments = 18 B
+    assert unsharded.param_state_multiplier == pytest.approx(18 / 2)
+    assert unsharded.activation_multiplier == pytest.approx(facts.autocast_activation_factor)  # one in flight
+    layers = len(facts.layer_units)
+    assert unsharded.bytes * layers < capacity / (1 + UNSHARDED_ALLOCATOR_SLACK)
+
+    sharded_states = STRATEGY.model_copy(update={"zero": 3})
+    zero3 = layer_budget(facts, cluster, sharded_states, 2)
+    assert zero3.param_state_multiplier == pytest.approx(
+        sum(model_state_bytes(1.0, "bf16", 3, STRATEGY.dp, num_microbatches=2)) / 2)
+    assert zero3.activation_multiplier == pytest.approx(1.0)
+    assert zero3.bytes * layers < capacity / (1 + FRAGMENTATION_MARGIN)
+
+
+def test_a_layer_that_fits_in_traced_bytes_but_not_at_autocast_s_is_sharded(tiny):
+    """A budget between the replicated layer's traced activations and autocast's: the ILP must shard
+    (here activations; weights would cost more than this budget asks)."""
+    from autopar.searcher.intra_op import solve_unit
+
+    spec, graph, facts = tiny
+    cluster = load_cluster("dgx-h100", gpus=4)
+    budget = layer_budget(facts, cluster, STRATEGY, 2)
+    layer = facts.units[facts.layer_units[0]]
+    free = refiner(spec, graph, facts, cluster)
+    fastest, _ = free._solved(solve_unit, (layer.layer_type, STRATEGY.tp, STRATEGY.microbatch), layer, STRATEGY, None)
+    params = fastest.parameter_bytes * budget.param_state_multiplier
+    saved = fastest.memory_bytes - fastest.parameter_bytes  # traced, one micro-batch in flight
+    between = params + saved * (1 + budget.activation_multiplier) / 2
+    assert params + saved < between < params + saved * budget.activation_multiplier
+    free_ops, _ = free.proposals(STRATEGY)
+    tight = refiner(spec, graph, facts, cluster_with_layer_budget(facts, between))
+    tight_ops, _ = tight.proposals(STRATEGY)
+    assert tight.ilp_budgeted >= 1
+    assert [name for name in free_ops if tight_ops.get(name) != free_ops[name]]  # ops of the layer, sharded
