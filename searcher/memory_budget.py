@@ -47,19 +47,13 @@ def layer_budget(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, we
     layers = len(facts.layer_units)
     if not layers:
         return None
-    if unsharded_states(s.zero, s.offload, s.optimizer_state):  # bytes per parameter
-        state = unsharded_state_bytes_per_param(autocast_states(facts.precision, s.zero, s.offload, s.optimizer_state),
-                                                s.num_microbatches, s.optimizer_impl)
-    else:
-        state = sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s), s.optimizer_state, pp=s.pp,
-                                      num_microbatches=s.num_microbatches))
+    state = state_bytes_per_param(facts, s)
     stages = s.pp * s.vp
     sizes = even_stage_layers(layers, stages) if stages <= layers + 2 else [1] * stages
     per_rank = max(sum(sizes[i] for i in range(rank, stages, s.pp)) for rank in range(s.pp))
     others = max(sum(u.params_on_device(s.tp) for u in facts.units if u.layer_type is None) * state, 0.0)
     buffers = 2 * DDP_BUCKET_BYTES if replicas(s) > 1 and s.zero < 3 else 0.0
-    capacity = (planning_capacity_bytes(cluster.gpu.memory_bytes, cluster.memory_headroom)
-                / (1 + fragmentation(s.zero, s.offload, s.optimizer_state)))
+    capacity = plan_capacity_bytes(cluster, s)
     held = 0.0
     if s.recompute == "none":
         ones = [1.0] * stages
@@ -80,3 +74,21 @@ def saved_bytes_per_traced_byte(facts: ModelFacts, strategy: Strategy) -> float:
     if counted and autocast_states(facts.precision, s.zero, s.offload, s.optimizer_state):
         factor *= facts.autocast_activation_factor
     return factor
+
+
+def state_bytes_per_param(facts: ModelFacts, strategy: Strategy) -> float:
+    """Weight, gradient and optimizer bytes a rank holds per parameter of its share, as the evaluator's
+    peak counts them: the runtime's autocast over fp32 weights without ZeRO, FSDP2's shards with it."""
+    s = strategy
+    if unsharded_states(s.zero, s.offload, s.optimizer_state):
+        return unsharded_state_bytes_per_param(autocast_states(facts.precision, s.zero, s.offload, s.optimizer_state),
+                                               s.num_microbatches, s.optimizer_impl)
+    return sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s), s.optimizer_state, pp=s.pp,
+                                 num_microbatches=s.num_microbatches))
+
+
+def plan_capacity_bytes(cluster: ClusterSpec, strategy: Strategy) -> float:
+    """What a rank's priced bytes may reach before the allocator's margin (`memory.fragmentation`)."""
+    s = strategy
+    return (planning_capacity_bytes(cluster.gpu.memory_bytes, cluster.memory_headroom)
+            / (1 + fragmentation(s.zero, s.offload, s.optimizer_state)))

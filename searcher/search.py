@@ -38,20 +38,19 @@ from autopar.graph.ir import OpGraph, TensorMeta
 from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
 from autopar.cost_models.communication import collective_time_s, group_layout
-from autopar.cost_models.context import rank_batch, replicas
+from autopar.cost_models.context import rank_batch
 from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition, unit_activation_bytes,
                                   with_fewest_recomputed_layers)
 from autopar.cost_models.placed_collectives import PlacedLayout, dry_run_units, placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.implementation import is_runtime_profile
-from autopar.cost_models.memory import model_state_bytes, planning_capacity_bytes
 from autopar.cost_models.stage_costs import CostCache, runs_autocast
-from autopar.cost_models.strategy import check_strategy
 from autopar.searcher.bounded import bounded_quick_evaluations
 from autopar.searcher.candidates import fit_recompute, priced_as_run, quick_evaluations, unfitted
 from autopar.searcher.inter_op import UnitCost, partition as dp_partition
-from autopar.searcher.memory_budget import LayerBudget, layer_budget
+from autopar.searcher.memory_budget import (LayerBudget, layer_budget, plan_capacity_bytes, saved_bytes_per_traced_byte,
+                                             state_bytes_per_param)
 from autopar.searcher.tp_placements import megatron_checked, one_each_proposal, planned_tp_placements, same_tp_ledger
 from autopar.searcher.why_not import WhyNot, compared_groups, why_not_rows
 
@@ -462,8 +461,8 @@ class Refiner:
         stages = s.pp * s.vp
         if stages == 1 or s.recompute_layers is not None:  # fixed counts are per stage of the even split
             return None
-        state = sum(model_state_bytes(1.0, facts.precision, s.zero, replicas(s), pp=s.pp,
-                                  num_microbatches=s.num_microbatches))  # bytes per parameter
+        state = state_bytes_per_param(facts, s)  # and activations, as the evaluator counts them
+        saved = saved_bytes_per_traced_byte(facts, s)
         batch = rank_batch(s)
         tp_layout = group_layout(s.tp, 1, self.cluster.gpus_per_node)
         costs = []
@@ -487,16 +486,15 @@ class Refiner:
             costs.append(UnitCost(
                 time_s=t.forward_s + t.backward_s + comm + recompute,
                 state_bytes=params * state,
-                activation_bytes=unit_activation_bytes(unit, batch, s.tp, s.sp, policy, self.cost_cache),
-                transient_bytes=full if policy != "none" else 0.0,
+                activation_bytes=saved * unit_activation_bytes(unit, batch, s.tp, s.sp, policy, self.cost_cache),
+                transient_bytes=saved * full if policy != "none" else 0.0,
             ))
         # interleaved: chunks of 1/vp of the memory each (`inter_op`); the zero-bubble schedules
         # (other placements and orders) as before, each virtual stage priced like a 1F1B stage
         bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,
                               vp=s.vp if s.schedule == "interleaved" else 1,
                               schedule="gpipe" if s.schedule == "gpipe" else "1f1b",
-                              memory_capacity_bytes=planning_capacity_bytes(
-                                  self.cluster.gpu.memory_bytes, self.cluster.memory_headroom) / 1.05)
+                              memory_capacity_bytes=plan_capacity_bytes(self.cluster, s))
         if bounds is None:
             return None
         return [list(facts.units[a:b]) for a, b in bounds]
