@@ -14,7 +14,7 @@ For the ops of a traced graph that the database holds for one device, at their t
   bytes over its time, used before, charged the floor to every byte and weighed a 1 MiB op as
   much as a 1 GiB one: the shared H100 profile's median is 0.61 where its ops sum to 0.82, and the
   step, whose vector ops move autocast's larger bytes, then paid the floor twice (+4% to +19% on
-  the H100 rows at 0c55a6b). Where the per-kernel time alone would exceed their time: bytes over time;
+  the H100 rows at 0c55a6b). Where the per-kernel time alone takes all their time: 1, the cap;
 - launch overhead: median time of elementwise ops moving < 64 KiB (their time is mostly launch),
   from at least `MIN_LAUNCH_SAMPLES` of them: a profile times each op alone, synchronized, so a
   handful of tiny ops measures the timer's own latency more than a launch in a busy stream. This
@@ -28,6 +28,7 @@ many ops.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -92,12 +93,11 @@ def calibrate(graph: OpGraph, times_s: dict[str, float], gpu: GpuSpec, device_na
 
 def _bytes_per_s(moved_and_times: list[tuple[int, float]], per_kernel_s: float) -> float:
     """The bandwidth at which these ops, priced as a step prices them (bytes over the bandwidth plus
-    `per_kernel_s` each), sum to the time they took; their bytes over their time where the per-kernel
-    time alone would take it all."""
+    `per_kernel_s` each), sum to the time they took; unbounded where the per-kernel time alone takes
+    it all (the limit as what is left for the bytes shrinks to none; the caller caps it at HBM's)."""
     moved = sum(b for b, _ in moved_and_times)
-    took = sum(t for _, t in moved_and_times)
-    left = took - per_kernel_s * len(moved_and_times)
-    return moved / (left if left > 0 else took)
+    left = sum(t for _, t in moved_and_times) - per_kernel_s * len(moved_and_times)
+    return moved / left if left > 0 else math.inf
 
 
 def _gemm_shape_factor(node: OpNode, gpu: GpuSpec, dtype: str, base: Efficiency) -> float:

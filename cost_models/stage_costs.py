@@ -199,6 +199,21 @@ def unit_activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: 
                      lambda: _activation_bytes(unit, batch, tp, sp, recompute, autocast))
 
 
+def unit_kept_bytes(unit: Unit, strategy, policy: str, cache: CostCache | None = None,
+                    autocast: bool = False) -> tuple[float, float]:
+    """(kept from forward to backward, held while it is recomputed) by one unit for one micro-batch on
+    one rank under `policy`: recomputing rebuilds what the policy did not keep."""
+    s = strategy
+    b = rank_batch(s)
+    kept = unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache, autocast)
+    if policy == "none":
+        return kept, 0.0
+    full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache, autocast)
+    if policy == "selective":
+        return kept, full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective_saved", cache, autocast)
+    return kept, full
+
+
 def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str, autocast: bool = False) -> float:
     """Full recompute keeps the unit's input. Selective keeps it, what the products save, and every
     output of the projections and fused attention (`OpFacts.output_bytes`), as the runtime's policy
@@ -227,11 +242,17 @@ def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
 
 
 def autocast_activations(pricing: Pricing) -> bool:
-    """Whether activations are counted at autocast's dtypes: where the runtime runs autocast and the
-    facts count them (`ModelFacts.autocast_activation_factor`), but not for a stage compiled whole
-    without recompute, whose min-cut ratio is to the traced bytes (`compiled_stage`)."""
-    return (pricing.autocast_runs() and pricing.facts.autocast_activation_factor is not None
-            and not compiled_layers(pricing.strategy))
+    """Whether activations are counted at autocast's dtypes (`counts_autocast_activations`)."""
+    return counts_autocast_activations(pricing.facts, pricing.strategy, pricing.autocast_runs())
+
+
+def counts_autocast_activations(facts: ModelFacts, strategy, autocast_runs: bool | None = None) -> bool:
+    """Whether activations are counted at autocast's dtypes: where the runtime runs autocast
+    (`runs_autocast`, unless `autocast_runs` says) and the facts count them
+    (`ModelFacts.autocast_activation_factor`), but not for a stage compiled whole without recompute,
+    whose min-cut ratio is to the traced bytes (`compiled_stage`)."""
+    runs = runs_autocast(strategy, facts.precision) if autocast_runs is None else autocast_runs
+    return runs and facts.autocast_activation_factor is not None and not compiled_layers(strategy)
 
 
 def unit_part(pricing: Pricing, unit: Unit, policy: str, token: tuple[str, int] | None = None) -> UnitPart:
@@ -276,9 +297,8 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
     s, cache = pricing.strategy, pricing.cache
     b = rank_batch(s)  # one rank's positions: b/cp sequences' worth
     t = pricing.timed(unit)
-    autocast = autocast_activations(pricing)
-    full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache, autocast)
-    recompute_s = transient = 0.0
+    kept, transient = unit_kept_bytes(unit, s, policy, cache, autocast_activations(pricing))
+    recompute_s = 0.0
     if policy == "full":
         if s.tp == 1:
             repeated = []
@@ -287,21 +307,18 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         else:
             repeated = [(kind, size * b, 1) for kind, size in pricing.recompute_repeats.get(unit.name, ())]
         recompute_s = t.forward_s + sum(times * pricing.tp_time_s(kind, size) for kind, size, times in repeated)
-        transient = full
     elif policy == "selective":
         recompute_s = t.forward_vector_s
         if pricing.selective_repeats and pricing.recompute_repeats and s.tp > 1:
             recompute_s += sum(pricing.tp_time_s(kind, size * b) for kind, size in
                                pricing.recompute_repeats.get(unit.name, ()))
-        transient = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective_saved", cache, autocast)
     return UnitPart(
         forward_s=t.forward_s, backward_s=t.backward_s,
         forward_comm_s=_tp_reduce_time_s(pricing, t.forward_reduce_bytes, t.forward_reduces, t.forward_collectives,
                                          t.forward_matmul_s),
         backward_comm_s=_tp_reduce_time_s(pricing, t.backward_reduce_bytes, t.backward_reduces,
                                           t.backward_collectives, t.backward_matmul_s),
-        recompute_s=recompute_s, transient_bytes=transient,
-        activation_bytes=unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache, autocast),
+        recompute_s=recompute_s, transient_bytes=transient, activation_bytes=kept,
         params_on_device=unit.params_on_device(s.tp))
 
 

@@ -10,12 +10,17 @@ recompute: a recomputed layer keeps its input only, which no sharding of the lay
 
 Each term is the evaluator's (`cost_models.memory`), so that a sharding the ILP fits is one the plan's
 memory check can accept. Without ZeRO that is the runtime's autocast over fp32 weights: 6 B of weight
-per parameter (fp32 and its bf16 copy), the moments, the larger of the backward and optimizer-step
-peaks (`unsharded_state_bytes_per_param`); the activations at autocast's dtypes, the model's own
-ratio to the traced bytes (`ModelFacts.autocast_activation_factor`: a GPT layer 1.249, a Llama one
-1.036) or min-cut's for a stage compiled whole; and the allocator's slack on all of it
-(`memory.fragmentation`). Until the eleventh session the ILP charged the traced bytes and the ZeRO
-states' 16 B, so it could fit a GPT layer the evaluator found 25% larger in activations.
+per parameter (fp32 and its bf16 copy), the moments, and fp32 gradients where micro-batches
+accumulate them (`unsharded_state_bytes_per_param`); the activations at autocast's dtypes, a layer's
+counted bytes over its traced ones (a GPT layer's are 1.25 at tp = 1, more where tp shards the
+16-bit rest; a Llama's 1.04), autocast's 40/32 where the evaluator does not count them op by op, or
+min-cut's for a stage compiled whole; and the allocator's slack on all of it
+(`memory.fragmentation`). The evaluator's peak is the larger of the backward's (states and
+activations) and the optimizer step's (states and temporaries, no activations); the row charges the
+larger states beside the activations, one row for both: where the step's states are the larger (one
+micro-batch; foreach's temporaries) that is 2 B per parameter more than the evaluator, on the safe
+side. Until the eleventh session the ILP charged the traced bytes, 16 B per parameter and a 5%
+margin, so it could fit a layer the evaluator then found too large.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from autopar.cost_models.memory import (DDP_BUCKET_BYTES, activation_factor, aut
                                         model_state_bytes, planning_capacity_bytes, unsharded_state_bytes_per_param,
                                         unsharded_states)
 from autopar.cost_models.pipeline import estimate
+from autopar.cost_models.stage_costs import counts_autocast_activations, unit_kept_bytes
 from autopar.cost_models.strategy import even_stage_layers
 
 
@@ -65,15 +71,19 @@ def layer_budget(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, we
 
 
 def saved_bytes_per_traced_byte(facts: ModelFacts, strategy: Strategy) -> float:
-    """What a layer keeps for backward per byte of its traced activations, as the evaluator counts it:
-    autocast's dtypes (the model's ratio where its facts count one), min-cut's for a stage compiled whole."""
+    """What a layer without recompute keeps for backward per byte of its traced activations, as the
+    evaluator counts it: autocast's dtypes (a layer's counted bytes over its traced ones, where the
+    evaluator counts them op by op), autocast's measured 40/32 where it does not (`weight_passes=false`), min-cut's for a stage
+    compiled whole. The ILP charges activations only without recompute: other policies keep other
+    ratios (full recompute's fp32 input: 2), which the partition counts per unit."""
     s = strategy
-    compiled = compiled_layers(s)
-    counted = facts.autocast_activation_factor is not None and not compiled
-    factor = activation_factor(facts.precision, s.zero, s.offload, s.optimizer_state, compiled, counted)
-    if counted and autocast_states(facts.precision, s.zero, s.offload, s.optimizer_state):
-        factor *= facts.autocast_activation_factor
-    return factor
+    counted = counts_autocast_activations(facts, s)
+    factor = activation_factor(facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s), counted)
+    if not counted or not facts.layer_units:
+        return factor
+    layer = facts.units[facts.layer_units[0]]  # its ratio at this plan's tp and sp (sharded ops weigh less)
+    traced = unit_kept_bytes(layer, s, "none")[0]
+    return factor * unit_kept_bytes(layer, s, "none", autocast=True)[0] / traced if traced else factor
 
 
 def state_bytes_per_param(facts: ModelFacts, strategy: Strategy) -> float:

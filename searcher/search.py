@@ -39,18 +39,19 @@ from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.context import rank_batch
-from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition, unit_activation_bytes,
+from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition,
                                   with_fewest_recomputed_layers)
 from autopar.cost_models.placed_collectives import PlacedLayout, dry_run_units, placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.implementation import is_runtime_profile
-from autopar.cost_models.stage_costs import CostCache, runs_autocast
+from autopar.cost_models.stage_costs import CostCache, counts_autocast_activations, runs_autocast, unit_kept_bytes
+from autopar.cost_models.memory import activation_factor
+from autopar.cost_models.compiled_stage import compiled_layers
 from autopar.searcher.bounded import bounded_quick_evaluations
 from autopar.searcher.candidates import fit_recompute, priced_as_run, quick_evaluations, unfitted
 from autopar.searcher.inter_op import UnitCost, partition as dp_partition
-from autopar.searcher.memory_budget import (LayerBudget, layer_budget, plan_capacity_bytes, saved_bytes_per_traced_byte,
-                                             state_bytes_per_param)
+from autopar.searcher.memory_budget import LayerBudget, layer_budget, plan_capacity_bytes, state_bytes_per_param
 from autopar.searcher.tp_placements import megatron_checked, one_each_proposal, planned_tp_placements, same_tp_ledger
 from autopar.searcher.why_not import WhyNot, compared_groups, why_not_rows
 
@@ -462,7 +463,8 @@ class Refiner:
         if stages == 1 or s.recompute_layers is not None:  # fixed counts are per stage of the even split
             return None
         state = state_bytes_per_param(facts, s)  # and activations, as the evaluator counts them
-        saved = saved_bytes_per_traced_byte(facts, s)
+        counted = counts_autocast_activations(facts, s)
+        factor = activation_factor(facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s), counted)
         batch = rank_batch(s)
         tp_layout = group_layout(s.tp, 1, self.cluster.gpus_per_node)
         costs = []
@@ -481,13 +483,12 @@ class Refiner:
                         comm += count * collective_time_s("all_reduce", total / count, tp_layout, self.cluster)
             recompute = t.forward_s if (s.recompute == "full" and unit.layer_type) else 0.0
             policy = s.recompute if unit.layer_type else "none"
-            full = unit_activation_bytes(unit, batch, s.tp, s.sp, "none", self.cost_cache)
-            params = unit.params_on_device(s.tp)
+            kept, transient = unit_kept_bytes(unit, s, policy, self.cost_cache, counted)
             costs.append(UnitCost(
                 time_s=t.forward_s + t.backward_s + comm + recompute,
-                state_bytes=params * state,
-                activation_bytes=saved * unit_activation_bytes(unit, batch, s.tp, s.sp, policy, self.cost_cache),
-                transient_bytes=saved * full if policy != "none" else 0.0,
+                state_bytes=unit.params_on_device(s.tp) * state,
+                activation_bytes=factor * kept,
+                transient_bytes=factor * transient,
             ))
         # interleaved: chunks of 1/vp of the memory each (`inter_op`); the zero-bubble schedules
         # (other placements and orders) as before, each virtual stage priced like a 1F1B stage

@@ -187,7 +187,7 @@ def test_calibration_recovers_known_efficiencies():
     shaped = Efficiency(gemm_half_ridges=1.71)
     # a synthetic device: GEMMs at a 50% ceiling lowered by their shapes as the predictions' shape law
     # says (so the ceiling, not each GEMM's own efficiency, is what calibration recovers), attention
-    # at 40%, HBM at 70%, 7 µs per tiny op
+    # at 40%, HBM at 70% beside the base's time per kernel, 7 µs per tiny op
     for node in graph.nodes:
         moved = node.bytes_read + node.bytes_written
         if node.is_view:
@@ -197,7 +197,7 @@ def test_calibration_recovers_known_efficiencies():
         elif node.flops:
             times[node.name] = node.flops / (0.5 * _gemm_shape_factor(node, gpu, "bf16", shaped) * 100e12)
         elif moved >= 2**20:
-            times[node.name] = moved / (0.7 * 1e12)
+            times[node.name] = moved / (0.7 * 1e12) + shaped.launch_overhead_s
         elif moved < 2**16:
             times[node.name] = 7e-6
     result = calibrate(graph, times, gpu, "test", base=shaped)
@@ -226,11 +226,12 @@ def test_calibrated_memory_efficiency_leaves_each_op_s_floor_to_the_per_kernel_t
     result = calibrate(graph, times, CLUSTER.gpu, "test")
     assert result.efficiency.memory == pytest.approx(0.7)
     assert result.samples["memory"] == len(moving)
-    # ops quicker than the per-kernel time: their bytes over their time, not a negative bandwidth
-    quick = {n.name: floor_s / 2 for n in moving}
-    moved = sum(n.bytes_read + n.bytes_written for n in moving)
-    assert calibrate(graph, quick, CLUSTER.gpu, "test").efficiency.memory == pytest.approx(
-        min(1.0, moved / (len(moving) * floor_s / 2) / bandwidth))
+    # ops no slower than the per-kernel time: the bandwidth's limit as their bytes' share shrinks, the cap
+    for share in (0.5, 1.0):
+        quick = {n.name: floor_s * share for n in moving}
+        assert calibrate(graph, quick, CLUSTER.gpu, "test").efficiency.memory == 1.0
+    barely = {n.name: floor_s * 1.001 for n in moving}
+    assert calibrate(graph, barely, CLUSTER.gpu, "test").efficiency.memory == 1.0
 
 
 def test_launch_overhead_is_measured_from_enough_tiny_ops_only():

@@ -91,6 +91,7 @@ def test_the_layer_budget_charges_what_the_evaluator_counts(tiny):
     slack on everything; under ZeRO 3 the states FSDP2 shards and the traced (16-bit) activations."""
     from autopar.cost_models.memory import (UNSHARDED_ALLOCATOR_SLACK, FRAGMENTATION_MARGIN, model_state_bytes,
                                             planning_capacity_bytes)
+    from autopar.cost_models.stage_costs import unit_kept_bytes
 
     _, _, facts = tiny
     cluster = load_cluster("dgx-h100", gpus=4)
@@ -99,7 +100,10 @@ def test_the_layer_budget_charges_what_the_evaluator_counts(tiny):
     unsharded = layer_budget(facts, cluster, STRATEGY, 2)
     # two micro-batches: fp32 weights, their bf16 copies, accumulated fp32 gradients, moments = 18 B
     assert unsharded.param_state_multiplier == pytest.approx(18 / 2)
-    assert unsharded.activation_multiplier == pytest.approx(facts.autocast_activation_factor)  # one in flight
+    layer = facts.units[facts.layer_units[0]]
+    counted, traced = (unit_kept_bytes(layer, STRATEGY, "none", autocast=a)[0] for a in (True, False))
+    assert counted / traced > 1.2  # the fp32 residual and the 16-bit casts, more where tp shards the rest
+    assert unsharded.activation_multiplier == pytest.approx(counted / traced)  # one micro-batch in flight
     layers = len(facts.layer_units)
     assert unsharded.bytes * layers < capacity / (1 + UNSHARDED_ALLOCATOR_SLACK)
 
@@ -131,3 +135,56 @@ def test_a_layer_that_fits_in_traced_bytes_but_not_at_autocast_s_is_sharded(tiny
     tight_ops, _ = tight.proposals(STRATEGY)
     assert tight.ilp_budgeted >= 1
     assert [name for name in free_ops if tight_ops.get(name) != free_ops[name]]  # ops of the layer, sharded
+
+
+CASES = [dict(), dict(weight_passes=False), dict(compile=True, dp=1, tp=1), dict(zero=3),
+         dict(microbatch=4, num_microbatches=1), dict(optimizer_impl="foreach")]
+
+
+@pytest.mark.parametrize("changes", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_the_ilp_s_activation_ratio_is_the_evaluator_s(tiny, changes):
+    """A layer without recompute: the traced bytes times the budget's ratio are what the evaluator keeps,
+    its counted bytes times its activation factor (autocast's dtypes only where it counts them op by op:
+    not with `weight_passes=false`; min-cut's for a stage compiled whole; none under ZeRO)."""
+    from autopar.cost_models.compiled_stage import compiled_layers
+    from autopar.cost_models.memory import activation_factor
+    from autopar.cost_models.stage_costs import counts_autocast_activations, unit_kept_bytes
+    from autopar.searcher.memory_budget import saved_bytes_per_traced_byte
+
+    _, _, facts = tiny
+    s = STRATEGY.model_copy(update=changes)
+    counted = counts_autocast_activations(facts, s)
+    layer = facts.units[facts.layer_units[0]]
+    evaluator = unit_kept_bytes(layer, s, "none", None, counted)[0] * activation_factor(
+        facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s), counted)
+    traced = unit_kept_bytes(layer, s, "none", None, False)[0]
+    assert traced * saved_bytes_per_traced_byte(facts, s) == pytest.approx(evaluator, rel=0.02)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("changes", [dict(), dict(weight_passes=False), dict(zero=1)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_the_partition_weighs_each_unit_as_the_evaluator_does(tiny, monkeypatch, recompute, changes):
+    """The pipeline partition's per-unit bytes (kept, transient while recomputing, states) are the
+    evaluator's for the same policy: full recompute keeps a layer's fp32 input under autocast (twice its
+    traced bytes), not the no-recompute ratio, and the head its own."""
+    import autopar.searcher.search as search_module
+    from autopar.cost_models.evaluate import evaluate
+
+    spec, graph, facts = tiny
+    cluster = load_cluster("dgx-h100", gpus=4)
+    s = Strategy(dp=1, tp=1, pp=2, microbatch=1, num_microbatches=4, recompute=recompute, **changes)
+    captured = {}
+    monkeypatch.setattr(search_module, "dp_partition", lambda costs, *a, **k: captured.update(costs=costs))
+    refiner(spec, graph, facts, cluster)._partition(facts, s)
+    evaluation = evaluate(facts, cluster, s, BATCH)
+    scale = evaluation.activation_scale / (1 + fragmentation(s.zero, s.offload, s.optimizer_state))
+    from autopar.cost_models.stage_costs import Pricing, CostCache, autocast_activations, unit_kept_bytes
+    from autopar.cost_models.communication import group_layout
+    pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=DEFAULT_EFFICIENCY, cache=CostCache(),
+                      tp_layout=group_layout(1, 1, 8), dp_layout=group_layout(1, 1, 8))
+    for unit, cost in zip(facts.units, captured["costs"]):
+        policy = recompute if unit.layer_type else "none"
+        kept, transient = unit_kept_bytes(unit, s, policy, None, autocast_activations(pricing))
+        assert cost.activation_bytes == pytest.approx(kept * scale), (unit.name, policy)
+        assert cost.transient_bytes == pytest.approx(transient * scale), (unit.name, policy)
