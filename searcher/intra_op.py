@@ -50,7 +50,8 @@ Constraint families, one method each on `UnitIlp`:
   (`searcher.intra_op_rules`): x = 0 for a placement not allowed; x[bias, S(0)] = x[weight, S(0)];
   per block, x[input, S(0)] = x[output, S(1)] for all its Linear weights (all sharded or all R).
 - `_memory_budget` (with a budget): parameter bytes per rank (× `param_state_multiplier`) + saved
-  activation bytes per rank (× `activation_multiplier`) ≤ budget.
+  activation bytes per rank (each op's, at autocast's dtypes with `autocast_saved`; × `activation_multiplier`)
+  ≤ budget.
 The plan is written back as OpFacts (tp_sharded; reduce_bytes: the first all-reduce before an op;
 collectives: the others, bytes per sample), so `unit_time` + `evaluate` cost it to `objective_s`.
 """
@@ -142,10 +143,11 @@ class UnitProblem:
 
     def __init__(self, unit: Unit, graph: OpGraph, tp: int, batch: int, cluster: ClusterSpec, dtype: str,
                  efficiency: Efficiency = DEFAULT_EFFICIENCY, param_state_multiplier: float = 1.0,
-                 activation_multiplier: float = 1.0) -> None:
+                 activation_multiplier: float = 1.0, autocast_saved: bool = False) -> None:
         self.unit, self.tp, self.batch, self.cluster = unit, tp, batch, cluster
         self.efficiency = efficiency
         self.activation_multiplier = activation_multiplier
+        self.autocast_saved = autocast_saved
         self.layout = group_layout(tp, 1, cluster.gpus_per_node)
         self.by_name, self.params, self.consumers = _graph_index(graph)  # read only
         self.in_unit = {op.name for op in unit.ops}
@@ -194,7 +196,8 @@ class UnitProblem:
         options = self.strategies[node.name] = op_strategies(node, self.tp)
         times = [op_time_s(dataclasses.replace(op, tp_sharded=divided), self.cluster.gpu, dtype, batch=self.batch,
                            tp=self.tp, sp=False, efficiency=efficiency) for divided in (False, True)]
-        saved = op.saved_bytes * self.batch * self.activation_multiplier if op.phase == "forward" else 0.0
+        kept = op.autocast_saved_bytes if self.autocast_saved and op.autocast_saved_bytes is not None else op.saved_bytes
+        saved = kept * self.batch * self.activation_multiplier if op.phase == "forward" else 0.0
         sharded = [bool(s.outputs) and shard_dim(s.outputs[0]) is not None for s in options]
         inside = [sum(self.time(kind, b * self.scale) for kind, b in s.collectives) for s in options]
         self._add(node.name, [s.describe() for s in options], [s.outputs for s in options],
@@ -459,10 +462,12 @@ class UnitIlp:
 def solve_unit(unit: Unit, graph: OpGraph, *, tp: int, batch: int, cluster: ClusterSpec, dtype: str,
                memory_budget_bytes: float | None = None, efficiency: Efficiency = DEFAULT_EFFICIENCY,
                time_limit_s: float = 30.0, param_state_multiplier: float = 1.0, solver: str = "HIGHS",
-               tp_rules: TpRules | None = None, activation_multiplier: float = 1.0) -> LayerSharding:
+               tp_rules: TpRules | None = None, activation_multiplier: float = 1.0,
+               autocast_saved: bool = False) -> LayerSharding:
     """The cheapest tp sharding of one unit (module docstring). `param_state_multiplier` scales
     parameter bytes in the memory row (e.g. weight + gradient + optimizer bytes per weight byte),
-    `activation_multiplier` saved activation bytes (e.g. micro-batches held in flight).
+    `activation_multiplier` saved activation bytes (e.g. micro-batches held in flight); `autocast_saved`:
+    each op's saved bytes at autocast's dtypes (`OpFacts.autocast_saved_bytes`) rather than the trace's.
     `tp_rules` (the runtime's, looked up by this unit's parameter names) keeps the parameter
     placements to those the runtime executes.
     An unmet budget gives status "infeasible", objective inf and the unit unchanged."""
@@ -473,7 +478,7 @@ def solve_unit(unit: Unit, graph: OpGraph, *, tp: int, batch: int, cluster: Clus
         return LayerSharding(unit.ops, unit, {op.name: R for op in unit.ops}, {}, {}, {}, total, 0.0, 0.0, 0, 0,
                              time.perf_counter() - started, "trivial")
     problem = UnitProblem(unit, graph, tp, batch, cluster, dtype, efficiency, param_state_multiplier,
-                          activation_multiplier)
+                          activation_multiplier, autocast_saved)
     ilp = UnitIlp(problem, memory_budget_bytes, solver, tp_rules)
     status, choice = ilp.solve(time_limit_s)
     size = (ilp.solver.NumVariables(), ilp.solver.NumConstraints())

@@ -32,11 +32,12 @@ from autopar.plan_schema import Strategy
 from autopar.cost_models.context import replicas
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.compiled_stage import compiled_layers
-from autopar.cost_models.memory import (DDP_BUCKET_BYTES, activation_factor, autocast_states, fragmentation,
-                                        model_state_bytes, planning_capacity_bytes, unsharded_state_bytes_per_param,
-                                        unsharded_states)
+from autopar.cost_models.memory import (DDP_BUCKET_BYTES, OFFLOAD_STAGING_BYTES_PER_PARAM, activation_factor,
+                                        autocast_states, fragmentation, model_state_bytes, planning_capacity_bytes,
+                                        state_bytes_per_param as memory_state_bytes_per_param,
+                                        unsharded_state_bytes_per_param, unsharded_states)
 from autopar.cost_models.pipeline import estimate
-from autopar.cost_models.stage_costs import counts_autocast_activations, unit_kept_bytes
+from autopar.cost_models.stage_costs import counts_autocast_activations
 from autopar.cost_models.strategy import even_stage_layers
 
 
@@ -44,7 +45,8 @@ from autopar.cost_models.strategy import even_stage_layers
 class LayerBudget:
     bytes: float  # per layer, per rank
     param_state_multiplier: float  # state bytes per traced weight byte
-    activation_multiplier: float  # micro-batches whose activations a layer holds at the peak
+    activation_multiplier: float  # micro-batches whose activations a layer holds at the peak, × the factor
+    autocast_saved: bool = False  # each op's saved bytes at autocast's dtypes (`OpFacts.autocast_saved_bytes`)
 
 
 def layer_budget(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, weight_bytes: int) -> LayerBudget | None:
@@ -58,32 +60,44 @@ def layer_budget(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, we
     sizes = even_stage_layers(layers, stages) if stages <= layers + 2 else [1] * stages
     per_rank = max(sum(sizes[i] for i in range(rank, stages, s.pp)) for rank in range(s.pp))
     others = max(sum(u.params_on_device(s.tp) for u in facts.units if u.layer_type is None) * state, 0.0)
-    buffers = 2 * DDP_BUCKET_BYTES if replicas(s) > 1 and s.zero < 3 else 0.0
-    capacity = plan_capacity_bytes(cluster, s)
+    capacity = plan_capacity_bytes(cluster, s) - buffer_bytes(facts, s)
+    factor, counted = activation_terms(facts, s)
     held = 0.0
     if s.recompute == "none":
         ones = [1.0] * stages
         peak = estimate(ones, ones, s.num_microbatches, s.schedule, pp=s.pp, vp=s.vp, stage_weight=ones)
-        # per chunk (a layer sits in one of the rank's vp chunks), at the bytes the runtime keeps
-        held = max(peak.peak_in_flight) / s.vp * saved_bytes_per_traced_byte(facts, s)
-    return LayerBudget(bytes=max(capacity - buffers - others, 0.0) / per_rank,
-                       param_state_multiplier=state / weight_bytes, activation_multiplier=held)
+        held = max(peak.peak_in_flight) / s.vp * factor  # per chunk: a layer sits in one of the rank's vp chunks
+    return LayerBudget(bytes=max(capacity - others, 0.0) / per_rank,
+                       param_state_multiplier=state / weight_bytes, activation_multiplier=held, autocast_saved=counted)
 
 
-def saved_bytes_per_traced_byte(facts: ModelFacts, strategy: Strategy) -> float:
-    """What a layer without recompute keeps for backward per byte of its traced activations, as the
-    evaluator counts it: autocast's dtypes (a layer's counted bytes over its traced ones, where the
-    evaluator counts them op by op), autocast's measured 40/32 where it does not (`weight_passes=false`), min-cut's for a stage
-    compiled whole. The ILP charges activations only without recompute: other policies keep other
-    ratios (full recompute's fp32 input: 2), which the partition counts per unit."""
+def activation_terms(facts: ModelFacts, strategy: Strategy) -> tuple[float, bool]:
+    """(device bytes per activation byte priced, whether the bytes are autocast's, op by op), as the
+    evaluator counts a rank's activations (`memory.activation_factor`): autocast's dtypes where it counts
+    them (`stage_costs.counts_autocast_activations`), its measured 40/32 on the traced bytes where it
+    does not (`weight_passes=false`), min-cut's for a stage compiled whole; the allocator's margin apart."""
     s = strategy
     counted = counts_autocast_activations(facts, s)
-    factor = activation_factor(facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s), counted)
-    if not counted or not facts.layer_units:
-        return factor
-    layer = facts.units[facts.layer_units[0]]  # its ratio at this plan's tp and sp (sharded ops weigh less)
-    traced = unit_kept_bytes(layer, s, "none")[0]
-    return factor * unit_kept_bytes(layer, s, "none", autocast=True)[0] / traced if traced else factor
+    return activation_factor(facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s), counted), counted
+
+
+def buffer_bytes(facts: ModelFacts, strategy: Strategy) -> float:
+    """What a rank holds beside its states and activations, as `memory.device_memory` counts it: ZeRO-3's
+    gathered unit and the next (the model's largest unit), else data parallelism's two gradient buckets.
+    Expert and context parallelism's exchange buffers are left to the evaluator."""
+    s = strategy
+    if s.zero >= 3:
+        largest = max((u.params_on_device(s.tp) for u in facts.units), default=0.0)
+        gathered = 2 * largest * state_bytes_per_param_weight(facts, s)
+        if s.offload == "optimizer":
+            gathered += largest / replicas(s) * OFFLOAD_STAGING_BYTES_PER_PARAM
+        return gathered
+    return 2 * DDP_BUCKET_BYTES if replicas(s) > 1 else 0.0
+
+
+def state_bytes_per_param_weight(facts: ModelFacts, strategy: Strategy) -> float:
+    """Bytes of one gathered weight element (ZeRO-3 gathers in the compute precision)."""
+    return memory_state_bytes_per_param(facts.precision, strategy.optimizer_state).weight
 
 
 def state_bytes_per_param(facts: ModelFacts, strategy: Strategy) -> float:

@@ -39,19 +39,18 @@ from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency, unit_time
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.context import rank_batch
-from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition,
+from autopar.cost_models.evaluate import (Evaluation, evaluate, head_gradient_bytes, partition as even_partition,
                                   with_fewest_recomputed_layers)
 from autopar.cost_models.placed_collectives import PlacedLayout, dry_run_units, placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.collectives import head_vocab
 from autopar.cost_models.implementation import is_runtime_profile
-from autopar.cost_models.stage_costs import CostCache, counts_autocast_activations, runs_autocast, unit_kept_bytes
-from autopar.cost_models.memory import activation_factor
-from autopar.cost_models.compiled_stage import compiled_layers
+from autopar.cost_models.stage_costs import CostCache, runs_autocast, unit_activation_bytes, unit_kept_bytes
 from autopar.searcher.bounded import bounded_quick_evaluations
 from autopar.searcher.candidates import fit_recompute, priced_as_run, quick_evaluations, unfitted
 from autopar.searcher.inter_op import UnitCost, partition as dp_partition
-from autopar.searcher.memory_budget import LayerBudget, layer_budget, plan_capacity_bytes, state_bytes_per_param
+from autopar.searcher.memory_budget import (LayerBudget, activation_terms, buffer_bytes, layer_budget,
+                                             plan_capacity_bytes, state_bytes_per_param)
 from autopar.searcher.tp_placements import megatron_checked, one_each_proposal, planned_tp_placements, same_tp_ledger
 from autopar.searcher.why_not import WhyNot, compared_groups, why_not_rows
 
@@ -276,7 +275,9 @@ class Refiner:
             key = (unit.layer_type or unit.name, strategy.tp, strategy.microbatch)
             solution, solved_for = self._solved(solve_unit, key, unit, strategy, None)
             if budget is not None and unit.layer_type is not None:
-                held = solution.memory_bytes - solution.parameter_bytes  # solved with both multipliers 1
+                # the fastest sharding's saved bytes, per op as the budgeted row counts them
+                held = unit_activation_bytes(solution.unit, strategy.microbatch, strategy.tp, False, "none",
+                                             autocast=budget.autocast_saved)
                 if solution.parameter_bytes * budget.param_state_multiplier \
                         + held * budget.activation_multiplier > budget.bytes:
                     # the fastest sharding overflows the layer's share: the fastest that fits, if any
@@ -305,11 +306,11 @@ class Refiner:
         budget (budgets rounded to 1/64 GiB so near-equal strategies share a solve)."""
         if budget is not None:
             key = key + (round(budget.bytes / 2**24), round(budget.param_state_multiplier, 3),
-                         round(budget.activation_multiplier, 3))
+                         round(budget.activation_multiplier, 3), budget.autocast_saved)
         if key not in self.cache:
             extra = {} if budget is None else dict(
                 memory_budget_bytes=budget.bytes, param_state_multiplier=budget.param_state_multiplier,
-                activation_multiplier=budget.activation_multiplier)
+                activation_multiplier=budget.activation_multiplier, autocast_saved=budget.autocast_saved)
             solution = solve_unit(unit, self.graph, tp=strategy.tp, batch=strategy.microbatch, cluster=self.cluster,
                                   dtype=self.facts.precision, efficiency=self.efficiency,
                                   tp_rules=self.capabilities.tp_rules, **extra)
@@ -463,8 +464,7 @@ class Refiner:
         if stages == 1 or s.recompute_layers is not None:  # fixed counts are per stage of the even split
             return None
         state = state_bytes_per_param(facts, s)  # and activations, as the evaluator counts them
-        counted = counts_autocast_activations(facts, s)
-        factor = activation_factor(facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s), counted)
+        factor, counted = activation_terms(facts, s)
         batch = rank_batch(s)
         tp_layout = group_layout(s.tp, 1, self.cluster.gpus_per_node)
         costs = []
@@ -484,18 +484,29 @@ class Refiner:
             recompute = t.forward_s if (s.recompute == "full" and unit.layer_type) else 0.0
             policy = s.recompute if unit.layer_type else "none"
             kept, transient = unit_kept_bytes(unit, s, policy, self.cost_cache, counted)
+            # a tied weight's copy on another rank (the head's of the embedding), as `evaluate` adds it
+            copies = sum(elements / (s.tp if sharded else 1) for _, elements, sharded in unit.borrowed) \
+                if s.pp > 1 else 0.0
             costs.append(UnitCost(
                 time_s=t.forward_s + t.backward_s + comm + recompute,
-                state_bytes=unit.params_on_device(s.tp) * state,
+                state_bytes=(unit.params_on_device(s.tp) + copies) * state,
                 activation_bytes=factor * kept,
                 transient_bytes=factor * transient,
             ))
+        # the last stage's backward holds the loss's gradients or its largest transient, the larger, that
+        # transient at the activation factor and the gradients' excess over it as they are
+        # (`evaluate.rank_memory`): bounded from above by the largest transient any unit brings
+        loss = head_gradient_bytes(facts, s)
+        if loss > 0 and costs:
+            largest = max(cost.transient_bytes for cost in costs) / factor
+            costs[-1] = dataclasses.replace(costs[-1], transient_bytes=max(
+                costs[-1].transient_bytes, loss + (factor - 1) * largest))
         # interleaved: chunks of 1/vp of the memory each (`inter_op`); the zero-bubble schedules
         # (other placements and orders) as before, each virtual stage priced like a 1F1B stage
         bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,
                               vp=s.vp if s.schedule == "interleaved" else 1,
                               schedule="gpipe" if s.schedule == "gpipe" else "1f1b",
-                              memory_capacity_bytes=plan_capacity_bytes(self.cluster, s))
+                              memory_capacity_bytes=plan_capacity_bytes(self.cluster, s) - buffer_bytes(facts, s))
         if bounds is None:
             return None
         return [list(facts.units[a:b]) for a, b in bounds]
