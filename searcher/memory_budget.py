@@ -11,16 +11,17 @@ recompute: a recomputed layer keeps its input only, which no sharding of the lay
 Each term is the evaluator's (`cost_models.memory`), so that a sharding the ILP fits is one the plan's
 memory check can accept. Without ZeRO that is the runtime's autocast over fp32 weights: 6 B of weight
 per parameter (fp32 and its bf16 copy), the moments, and fp32 gradients where micro-batches
-accumulate them (`unsharded_state_bytes_per_param`); the activations at autocast's dtypes, a layer's
-counted bytes over its traced ones (a GPT layer's are 1.25 at tp = 1, more where tp shards the
-16-bit rest; a Llama's 1.04), autocast's 40/32 where the evaluator does not count them op by op, or
-min-cut's for a stage compiled whole; and the allocator's slack on all of it
-(`memory.fragmentation`). The evaluator's peak is the larger of the backward's (states and
-activations) and the optimizer step's (states and temporaries, no activations); the row charges the
-larger states beside the activations, one row for both: where the step's states are the larger (one
-micro-batch; foreach's temporaries) that is 2 B per parameter more than the evaluator, on the safe
-side. Until the eleventh session the ILP charged the traced bytes, 16 B per parameter and a 5%
-margin, so it could fit a layer the evaluator then found too large.
+accumulate them (`unsharded_state_bytes_per_param`); each op's saved bytes at autocast's dtypes
+(`OpFacts.autocast_saved_bytes`: the fp32 residual at twice its traced bytes, each projection's
+16-bit cast), autocast's 40/32 on the traced bytes where the evaluator does not count them op by op,
+or min-cut's for a stage compiled whole (`activation_terms`); the buffers beside them
+(`buffer_bytes`); and the allocator's slack on all of it (`memory.fragmentation`). The evaluator's
+peak is the larger of the backward's (states and activations) and the optimizer step's (states and
+temporaries, no activations); the row charges the larger states beside the activations, one row for
+both: where the step's states are the larger (one micro-batch; foreach's temporaries) that is 2 B per
+parameter more than the evaluator, on the safe side. Until the eleventh session the ILP charged the
+traced bytes, 16 B per parameter and a 5% margin, so it could fit a layer the evaluator then found
+too large.
 """
 
 from __future__ import annotations
