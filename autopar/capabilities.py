@@ -16,7 +16,7 @@ from autopar.plan_schema import ZERO_BUBBLE_SCHEDULES, Strategy
 # Strategy knobs that say how other software implemented a run (`cost_models.implementation`):
 # the runtime executes each at its default only.
 IMPLEMENTATION_KNOBS = ("attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "zero3_fetch",
-                        "optimizer_impl", "gemm_padding", "weight_passes")
+                        "optimizer_impl", "gemm_padding", "weight_passes", "sp_inputs")
 # (knob, the runtime's value): read once, not per strategy `supports` checks
 _RUNTIME_KNOBS = tuple((knob, Strategy.model_fields[knob].default) for knob in IMPLEMENTATION_KNOBS)
 

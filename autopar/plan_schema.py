@@ -140,6 +140,11 @@ class Strategy(_Record):
     # prices 16-bit model weights with the accumulation fused into the weight-gradient GEMM
     # (Megatron-LM). Plans made before it load as true.
     weight_passes: bool = True
+    # What a column-parallel projection keeps of its input under sequence parallelism: "gathered", the
+    # whole gathered tensor, as the runtime's DTensor projections keep it (measured: `tests/test_tp_memory.py`);
+    # "shards", the sequence shard, gathered again in backward, as Megatron-LM keeps it (Korthikanti et
+    # al. 2022, §4.2.2). Plans made before it load as "gathered".
+    sp_inputs: Literal["gathered", "shards"] = "gathered"
     # torch.compile: the whole stage with its loss where `capabilities.whole_stage_problem` allows,
     # else each block (`runtime.compile`); priced as fused elementwise kernels (`cost_models.compute`).
     # A runtime choice, not another software's profile: `autopar run --compile` fixes it.

@@ -197,6 +197,8 @@ def _profile(row: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     # The ZeRO-3 rows (DeepSpeed) run one micro-batch per step. So none of the runtime's
     # per-micro-batch weight passes apply (`cost_models.weight_passes`).
     profile["weight_passes"] = bool(row.get("weight_passes", False))
+    # Megatron-LM keeps a sequence-parallel projection's input shard and gathers it again in backward
+    profile["sp_inputs"] = row.get("sp_inputs", "shards")
     # apex's FusedAdam, the clip's multi-tensor scale a pass of its own (`cost_models.optimizer`)
     profile["optimizer_impl"] = row.get("optimizer_impl", "apex")
     if row.get("attention") is None:

@@ -412,10 +412,11 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
     # per unit, computed once: the count search below sums them over every prefix of every rank
     autocast = evaluation.autocast_activations
     # (kept without recompute, kept under the policy, what recomputing the unit does not rebuild)
-    saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none", cache, autocast),
-                     unit_activation_bytes(u, b, tp, sp, s.recompute, cache, autocast),
+    gathered = s.sp_inputs == "gathered"
+    saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none", cache, autocast, gathered),
+                     unit_activation_bytes(u, b, tp, sp, s.recompute, cache, autocast, gathered),
                      0.0 if s.recompute == "full" else
-                     unit_activation_bytes(u, b, tp, sp, "selective_saved", cache, autocast))
+                     unit_activation_bytes(u, b, tp, sp, "selective_saved", cache, autocast, gathered))
              for units in stages for u in units}
 
     def keeps(unit: Unit) -> float:

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from autopar.cost_models.autocast import autocast_activation_factor, autocast_activations, autocast_bytes
+from autopar.cost_models.autocast import FLOATING, autocast_activation_factor, autocast_activations, autocast_bytes
 from autopar.cost_models.context import AttentionLayer, attention_layers
 from autopar.cost_models.experts import ExpertLayer, expert_layers
 from autopar.cost_models.tp_shards import (CONTRACTIONS, column_biases, is_attention, op_packet, param_tp_dims,
@@ -67,6 +67,13 @@ class OpFacts:
     # 0 for other ops (a product of two activations, such as unfused attention's scores, is the
     # attention core Megatron-LM's selective recompute rebuilds; the runtime runs attention fused).
     output_bytes: float = 0.0
+    # Per sample, of `saved_bytes`: this op's outputs that a column-parallel projection (a product whose
+    # output tp shards) reads and keeps. Under sequence parallelism the runtime gathers them whole for
+    # the projection, which keeps the gathered tensor (measured on gloo: `gathered_input_bytes`); the
+    # rest of what the op keeps stays a sequence shard. `autocast_gathered_bytes`: the same at
+    # autocast's dtypes (each projection's 16-bit copy); None: as traced.
+    gathered_bytes: float = 0.0
+    autocast_gathered_bytes: float | None = None
 
     def reduce_bytes_for(self, batch: float, share: float = 1.0) -> float:
         """`share`: of each sequence's positions, the rank's (1/cp under context parallelism): a
@@ -221,6 +228,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     weight_gradients = weight_gradient_ops(graph)
     under_autocast = autocast_bytes(graph)
     saved_under_autocast, autocast_dtypes = autocast_activations(graph)
+    gathered = gathered_input_bytes(graph, status, autocast_dtypes)
     for node in graph.nodes:
         op = _op_facts(node, status, param_bytes, per_sample,
                        _gemm_shape(node, status, sharded, graph.batch, tokens, graph.padded_linears),
@@ -231,6 +239,10 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
                                      autocast_kernels=autocast.kernels)
         if autocast_dtypes and node.phase == "forward":
             op = dataclasses.replace(op, autocast_saved_bytes=saved_under_autocast.get(node.name, 0.0) * per_sample)
+        if node.name in gathered:
+            traced_bytes, autocast_copies = gathered[node.name]
+            op = dataclasses.replace(op, gathered_bytes=traced_bytes * per_sample,
+                                     autocast_gathered_bytes=autocast_copies * per_sample if autocast_dtypes else None)
         ops_by_unit.setdefault(unit_of[node.name], []).append(op)
     order = list(dict.fromkeys(unit_of[n.name] for n in graph.nodes if n.phase == "forward"))
     order += [name for name in ops_by_unit if name not in order]
@@ -340,6 +352,41 @@ def weight_gradient_ops(graph: OpGraph) -> set[str]:
     return {node.name for node in graph.nodes
             if node.phase == "backward" and node.flops and not node.params and not is_attention(node)
             and node.output_meta and tuple(node.output_meta[0].shape) in shapes.get(node.module_path, ())}
+
+
+def gathered_input_bytes(graph: OpGraph, status: dict, autocast_dtypes: dict[str, list[str]]
+                         ) -> dict[str, tuple[float, float]]:
+    """Per forward node, (traced bytes, bytes under autocast) of its outputs that a column-parallel
+    projection reads: a forward product with a weight whose output tp shards (`status`). Under sequence
+    parallelism the runtime all-gathers such an input whole for the projection, and the projection keeps
+    the gathered tensor for its weight's gradient (under selective recompute too: the gather's output is
+    one of the ops the policy saves, `runtime.recompute`). Measured on two gloo ranks: a GPT layer at
+    tp = 2 with sequence parallelism keeps its two norms' outputs whole, the rest as sequence shards
+    (`tests/test_tp_memory.py`). A tensor read by several projections is counted once as traced; under
+    autocast each projection's 16-bit copy is counted, as `autocast.autocast_activations` counts them."""
+    producer = {node.name: node for node in graph.nodes}
+
+    def root(name: str) -> str:
+        while name in producer and producer[name].is_view and producer[name].input_names:
+            name = producer[name].input_names[0]
+        return name
+
+    low = 2  # bytes of a 16-bit copy
+    traced: dict[tuple[str, tuple], float] = {}
+    autocast: dict[str, float] = {}
+    for node in graph.nodes:
+        if node.phase != "forward" or not node.flops or not node.params or status[node.name][0] != "S":
+            continue
+        for name, meta in zip(node.input_names, node.input_meta):
+            base = root(name)
+            if base not in producer or producer[base].phase != "forward" or meta.dtype not in FLOATING:
+                continue
+            traced.setdefault((base, tuple(meta.shape)), float(meta.bytes))
+            autocast[base] = autocast.get(base, 0.0) + meta.numel * low
+    result: dict[str, tuple[float, float]] = {}
+    for (base, _), nbytes in traced.items():
+        result[base] = (result.get(base, (0.0, 0.0))[0] + nbytes, autocast.get(base, 0.0))
+    return result
 
 
 def _op_facts(node: OpNode, status: dict, param_bytes: dict[str, int], per_sample: float,

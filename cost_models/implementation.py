@@ -33,6 +33,10 @@ what-if price. The knobs, with what the cost model does with each:
 - `weight_passes=false`: no per-micro-batch passes over the weights outside the GEMMs: 16-bit
   model weights, the gradient accumulation fused into the weight-gradient GEMM (Megatron-LM;
   `cost_models.weight_passes`).
+- `sp_inputs=shards`: under sequence parallelism a column-parallel projection keeps its input's
+  sequence shard and gathers it again in backward, overlapped with the input gradient (Megatron-LM;
+  Korthikanti et al. 2022, §4.2.2), where the runtime's keep the gathered tensor
+  (`OpFacts.gathered_bytes`).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from autopar.cost_models.facts import GemmShape, ModelFacts, OpFacts
 
 RUNTIME_PROFILE: dict[str, Any] = {"attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
                                    "optimizer_state": "fp32", "zero3_fetch": "unit", "optimizer_impl": "fused",
-                                   "gemm_padding": True, "weight_passes": True}
+                                   "gemm_padding": True, "weight_passes": True, "sp_inputs": "gathered"}
 PROFILE_KEYS = tuple(RUNTIME_PROFILE)
 _MASK_BYTES = 1  # a dropout mask: one bool per element
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -190,13 +190,14 @@ class Pricing:
 
 
 def unit_activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
-                          cache: CostCache | None = None, autocast: bool = False) -> float:
+                          cache: CostCache | None = None, autocast: bool = False, gathered: bool = True) -> float:
     """Bytes a unit keeps from forward to backward for one micro-batch on one tp rank; `autocast`: at
-    autocast's dtypes where the facts count them (`autocast_activations`)."""
+    autocast's dtypes where the facts count them (`autocast_activations`); `gathered`: under sequence
+    parallelism column-parallel projections keep their gathered inputs (the runtime's; `Strategy.sp_inputs`)."""
     if cache is None:
-        return _activation_bytes(unit, batch, tp, sp, recompute, autocast)
-    return cache.get(unit, ("activations", batch, tp, sp, recompute, autocast),
-                     lambda: _activation_bytes(unit, batch, tp, sp, recompute, autocast))
+        return _activation_bytes(unit, batch, tp, sp, recompute, autocast, gathered)
+    return cache.get(unit, ("activations", batch, tp, sp, recompute, autocast, gathered),
+                     lambda: _activation_bytes(unit, batch, tp, sp, recompute, autocast, gathered))
 
 
 def unit_kept_bytes(unit: Unit, strategy, policy: str, cache: CostCache | None = None,
@@ -205,37 +206,46 @@ def unit_kept_bytes(unit: Unit, strategy, policy: str, cache: CostCache | None =
     one rank under `policy`: recomputing rebuilds what the policy did not keep."""
     s = strategy
     b = rank_batch(s)
-    kept = unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache, autocast)
+    gathered = s.sp_inputs == "gathered"
+    kept = unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache, autocast, gathered)
     if policy == "none":
         return kept, 0.0
-    full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache, autocast)
+    full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache, autocast, gathered)
     if policy == "selective":
-        return kept, full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective_saved", cache, autocast)
+        return kept, full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective_saved", cache, autocast, gathered)
     return kept, full
 
 
-def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str, autocast: bool = False) -> float:
+def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str, autocast: bool = False,
+                      gathered: bool = True) -> float:
     """Full recompute keeps the unit's input. Selective keeps it, what the products save, and every
     output of the projections and fused attention (`OpFacts.output_bytes`), as the runtime's policy
     caches them (`runtime.recompute`), read by backward or not; it recomputes the vector ops,
     autocast's casts among them. `selective_saved`: of what
     selective keeps, what backward reads (the rest of a layer's saved bytes is what recomputing it
-    rebuilds). None: every op's saved bytes."""
+    rebuilds). None: every op's saved bytes. Under sequence parallelism every op's bytes are a sequence
+    shard but the inputs column-parallel projections gather, which they keep whole."""
     if recompute not in ("none", "selective", "selective_saved", "full"):
         raise ValueError(f"unknown recompute policy {recompute!r}")
     counted = autocast and unit.autocast_input_bytes is not None
     kept_input = (unit.autocast_input_bytes if counted else unit.input_bytes) * batch / (tp if sp else 1)
     if recompute == "full":
         return kept_input
+    gathers = gathered and sp and tp > 1  # column-parallel projections keep their gathered inputs whole (`OpFacts.gathered_bytes`)
     total = 0.0
     for op in unit.forward_ops:
         saved = op.autocast_saved_bytes if counted and op.autocast_saved_bytes is not None else op.saved_bytes
+        gathered = 0.0
+        if gathers:
+            gathered = min(saved, op.autocast_gathered_bytes if counted and op.autocast_gathered_bytes is not None
+                           else op.gathered_bytes)
         if recompute != "none" and op.kind == "vector":
+            total += gathered * batch  # the gather's output: selective recompute saves it
             continue
         if recompute == "selective":
             saved = max(saved, op.output_bytes)
         if saved:
-            total += saved * batch / (tp if (op.saved_sharded or sp) else 1)
+            total += (saved - gathered) * batch / (tp if (op.saved_sharded or sp) else 1) + gathered * batch
     if recompute != "none":
         total += kept_input
     return total
@@ -274,7 +284,7 @@ def part_token(pricing: Pricing, policy: str) -> tuple[str, int]:
     return pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp,
                                 policy, s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
                                 cluster.inter_node, s.compile, compiled, padded, pricing.autocast_runs(),
-                                autocast_activations(pricing)))  # it also depends on s.recompute and the facts
+                                autocast_activations(pricing), s.sp_inputs))  # it also depends on s.recompute and the facts
 
 
 def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,

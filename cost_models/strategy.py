@@ -10,12 +10,13 @@ from autopar.plan_schema import Strategy
 
 STRATEGY_KEYS = ("dp", "tp", "pp", "sp", "zero", "recompute", "recompute_layers", "microbatch", "schedule", "vp",
                  "attention", "dropout", "dp_overlap", "tp_overlap", "optimizer_state", "zero3_fetch", "offload", "ep",
-                 "cp", "cp_kind", "optimizer_impl", "compile", "gemm_padding", "weight_passes")
+                 "cp", "cp_kind", "optimizer_impl", "compile", "gemm_padding", "weight_passes", "sp_inputs")
 _SWITCHES = ("sp", "dp_overlap", "tp_overlap", "compile", "gemm_padding", "weight_passes")
 _CHOICES = {"recompute": ("none", "selective", "full"),
             "schedule": ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv"),
             "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16"), "zero3_fetch": ("unit", "parameter"),
-            "offload": ("none", "optimizer"), "cp_kind": ("ring", "ulysses"), "optimizer_impl": ("fused", "foreach", "apex")}
+            "offload": ("none", "optimizer"), "cp_kind": ("ring", "ulysses"), "optimizer_impl": ("fused", "foreach", "apex"),
+            "sp_inputs": ("gathered", "shards")}
 
 
 def parse_strategy(text: str | None) -> dict[str, Any]:
