@@ -39,7 +39,7 @@ from autopar.cost_models.offload import OffloadCost, host_capacity_bytes, node_h
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
 from autopar.cost_models.recompute import fewest_recomputed_layers, one_more_layer
 from autopar.cost_models.stage_costs import (CostCache, Pricing, StageCost, StagePrices, autocast_activations,
-                                             price_stages, unit_activation_bytes)
+                                             price_stages, unit_kept_bytes)
 from autopar.cost_models.optimizer import step_bytes_per_param
 from autopar.cost_models.strategy import even_stage_layers
 
@@ -408,15 +408,11 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
     s = evaluation.strategy
     if s.recompute == "none" or s.recompute_layers is not None or not evaluation.fits:
         return evaluation
-    b, tp, sp = rank_batch(s), s.tp, s.sp
     # per unit, computed once: the count search below sums them over every prefix of every rank
     autocast = evaluation.autocast_activations
-    # (kept without recompute, kept under the policy, what recomputing the unit does not rebuild)
-    gathered = s.sp_inputs == "gathered"
-    saved = {id(u): (unit_activation_bytes(u, b, tp, sp, "none", cache, autocast, gathered),
-                     unit_activation_bytes(u, b, tp, sp, s.recompute, cache, autocast, gathered),
-                     0.0 if s.recompute == "full" else
-                     unit_activation_bytes(u, b, tp, sp, "selective_saved", cache, autocast, gathered))
+    # (kept without recompute, kept under the policy, held while recomputing the unit)
+    saved = {id(u): (unit_kept_bytes(u, s, "none", cache, autocast)[0], *unit_kept_bytes(u, s, s.recompute, cache,
+                                                                                          autocast))
              for units in stages for u in units}
 
     def keeps(unit: Unit) -> float:
@@ -424,8 +420,7 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
         return kept - recomputed
 
     def transient(unit: Unit) -> float:
-        kept, _, left = saved[id(unit)]
-        return kept - left
+        return saved[id(unit)][2]
 
     counts = fewest_recomputed_layers(
         strategy=s, stages=stages, total_bytes=[m.total_bytes for m in evaluation.memory],

@@ -25,7 +25,7 @@ from autopar.cost_models.experts import ExpertLayer, expert_layers
 from autopar.cost_models.tp_shards import (CONTRACTIONS, column_biases, is_attention, op_packet, param_tp_dims,
                                            propagate_shards, sharded_params)
 from autopar.cost_models.units import CutTensor, assign_units, cut_tensors, unit_input_bytes
-from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode
+from autopar.graph.ir import DTYPE_BYTES, OpGraph, OpNode, TensorMeta
 
 
 @dataclass(frozen=True)
@@ -362,8 +362,10 @@ def gathered_input_bytes(graph: OpGraph, status: dict, autocast_dtypes: dict[str
     the gathered tensor for its weight's gradient (under selective recompute too: the gather's output is
     one of the ops the policy saves, `runtime.recompute`). Measured on two gloo ranks: a GPT layer at
     tp = 2 with sequence parallelism keeps its two norms' outputs whole, the rest as sequence shards
-    (`tests/test_tp_memory.py`). A tensor read by several projections is counted once as traced; under
-    autocast each projection's 16-bit copy is counted, as `autocast.autocast_activations` counts them."""
+    (`tests/test_tp_memory.py`). A tensor read by several projections is gathered once: under autocast
+    it is cast to 16 bits once, before the gather (`runtime/tensor_parallel/autocast.py`).
+    Known to over-count on MoE layers (an expert's product reads tokens that are already sharded),
+    which the runtime does not run with tp."""
     producer = {node.name: node for node in graph.nodes}
 
     def root(name: str) -> str:
@@ -372,20 +374,18 @@ def gathered_input_bytes(graph: OpGraph, status: dict, autocast_dtypes: dict[str
         return name
 
     low = 2  # bytes of a 16-bit copy
-    traced: dict[tuple[str, tuple], float] = {}
-    autocast: dict[str, float] = {}
+    read: dict[tuple[str, tuple], TensorMeta] = {}
     for node in graph.nodes:
         if node.phase != "forward" or not node.flops or not node.params or status[node.name][0] != "S":
             continue
         for name, meta in zip(node.input_names, node.input_meta):
             base = root(name)
-            if base not in producer or producer[base].phase != "forward" or meta.dtype not in FLOATING:
-                continue
-            traced.setdefault((base, tuple(meta.shape)), float(meta.bytes))
-            autocast[base] = autocast.get(base, 0.0) + meta.numel * low
+            if base in producer and producer[base].phase == "forward" and meta.dtype in FLOATING:
+                read.setdefault((base, tuple(meta.shape)), meta)
     result: dict[str, tuple[float, float]] = {}
-    for (base, _), nbytes in traced.items():
-        result[base] = (result.get(base, (0.0, 0.0))[0] + nbytes, autocast.get(base, 0.0))
+    for (base, _), meta in read.items():
+        traced, autocast = result.get(base, (0.0, 0.0))
+        result[base] = (traced + meta.bytes, autocast + meta.numel * low)
     return result
 
 

@@ -212,8 +212,29 @@ def unit_kept_bytes(unit: Unit, strategy, policy: str, cache: CostCache | None =
         return kept, 0.0
     full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache, autocast, gathered)
     if policy == "selective":
-        return kept, full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective_saved", cache, autocast, gathered)
+        rebuilt = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective_saved", cache, autocast, gathered)
+        if gathered and s.sp and s.tp > 1 and b > 1:
+            # recomputing cuts the saved gather into sequences again (a chunk and a cat the policy does
+            # not save): a second whole copy while the unit is differentiated
+            rebuilt += unit_gathered_bytes(unit, b, autocast)
+        return kept, rebuilt
     return kept, full
+
+
+def _gathered_part(op: OpFacts, saved: float, counted: bool) -> float:
+    """Of `saved` (per sample), what column-parallel projections gathered (`OpFacts.gathered_bytes`)."""
+    gathered = op.autocast_gathered_bytes if counted and op.autocast_gathered_bytes is not None else op.gathered_bytes
+    return min(saved, gathered)
+
+
+def unit_gathered_bytes(unit: Unit, batch: int, autocast: bool = False) -> float:
+    """A unit's gathered inputs whole, for one micro-batch on one rank (sequence parallelism)."""
+    counted = autocast and unit.autocast_input_bytes is not None
+    total = 0.0
+    for op in unit.forward_ops:
+        saved = op.autocast_saved_bytes if counted and op.autocast_saved_bytes is not None else op.saved_bytes
+        total += _gathered_part(op, saved, counted) * batch
+    return total
 
 
 def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str, autocast: bool = False,
@@ -235,17 +256,14 @@ def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
     total = 0.0
     for op in unit.forward_ops:
         saved = op.autocast_saved_bytes if counted and op.autocast_saved_bytes is not None else op.saved_bytes
-        gathered = 0.0
-        if gathers:
-            gathered = min(saved, op.autocast_gathered_bytes if counted and op.autocast_gathered_bytes is not None
-                           else op.gathered_bytes)
+        whole = _gathered_part(op, saved, counted) if gathers else 0.0
         if recompute != "none" and op.kind == "vector":
-            total += gathered * batch  # the gather's output: selective recompute saves it
+            total += whole * batch  # the gather's output: selective recompute saves it
             continue
         if recompute == "selective":
             saved = max(saved, op.output_bytes)
         if saved:
-            total += (saved - gathered) * batch / (tp if (op.saved_sharded or sp) else 1) + gathered * batch
+            total += (saved - whole) * batch / (tp if (op.saved_sharded or sp) else 1) + whole * batch
     if recompute != "none":
         total += kept_input
     return total

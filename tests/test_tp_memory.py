@@ -80,3 +80,35 @@ def test_each_layer_keeps_what_the_model_counts(measured, sp):
             if sp:  # Megatron-LM's shards: the gathered norm outputs half of what they are, at tp = 2
                 shards = unit_kept_bytes(layer, plan.strategy.model_copy(update={"sp_inputs": "shards"}), "none")[0]
                 assert saved[layer.name] > 1.05 * shards
+
+
+def test_a_block_input_is_gathered_once_and_cast_once(gpt_256):
+    """Under autocast the runtime casts a block's input to 16 bits once, then gathers it once for all of
+    its column-parallel projections (q, k and v read one tensor): one 16-bit copy is counted whole."""
+    _, graph, facts = gpt_256
+    layer = facts.units[facts.layer_units[0]]
+    norms = [op for op in layer.forward_ops if op.gathered_bytes]
+    assert len(norms) == 2  # the attention's input and the MLP's: each norm's output
+    for op in norms:
+        assert op.autocast_gathered_bytes == pytest.approx(op.gathered_bytes)  # 16 bits, one copy, like the trace
+    attention_norm = norms[0]
+    assert attention_norm.autocast_saved_bytes >= 3 * attention_norm.autocast_gathered_bytes  # q, k, v's copies
+
+
+def test_selective_recompute_rebuilds_a_second_gathered_copy_past_one_sequence(gpt_256):
+    """Recomputing a layer cuts the gather it saved into sequences again (a chunk and a cat the policy
+    does not save): with more than one sequence per rank, a second whole copy is held while the layer is
+    differentiated; with one, the gather is the copy."""
+    from autopar.cost_models.stage_costs import unit_activation_bytes, unit_gathered_bytes, unit_kept_bytes
+    from autopar.plan_schema import Strategy
+
+    _, _, facts = gpt_256
+    layer = facts.units[facts.layer_units[0]]
+    for batch in (1, 2):
+        s = Strategy(dp=1, tp=2, pp=1, sp=True, microbatch=batch, num_microbatches=1, recompute="selective")
+        _, transient = unit_kept_bytes(layer, s, "selective")
+        rebuilt = unit_activation_bytes(layer, batch, 2, True, "none") - unit_activation_bytes(
+            layer, batch, 2, True, "selective_saved")
+        second = unit_gathered_bytes(layer, batch) if batch > 1 else 0.0
+        assert unit_gathered_bytes(layer, batch) > 0
+        assert transient == pytest.approx(rebuilt + second)
