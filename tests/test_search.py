@@ -123,9 +123,12 @@ def test_golden_gpt3_175b_on_1024_a100():
     # 15.89 s. Since the ninth session's refit (one GEMM efficiency, 0.687, and 13.5 us per kernel, in
     # place of the GEMM shape term) tp=2 over 4 stages is, at 17.28 s, 0.4% ahead of that layout
     # (17.34 s): a kernel's fixed time does not shrink with tp, while more stages give each rank
-    # fewer layers, and tp=4's smaller GEMMs are no longer priced slower.
-    assert (s.dp, s.tp, s.pp, s.zero, s.schedule, s.vp, s.sp) == (128, 2, 4, 2, "interleaved", 8, True)
-    assert result.best.evaluation.step_time_s == pytest.approx(17.28, rel=0.02)
+    # fewer layers, and tp=4's smaller GEMMs are no longer priced slower. Since the eleventh session
+    # the runtime's sequence-parallel projections keep the input they gather whole (measured,
+    # tests/test_tp_memory.py), which tp=2's layers cannot afford: tp=4 over 4 interleaved stages,
+    # selective recompute on 29 layers, 17.52 s.
+    assert (s.dp, s.tp, s.pp, s.zero, s.schedule, s.vp, s.sp) == (64, 4, 4, 2, "interleaved", 8, True)
+    assert result.best.evaluation.step_time_s == pytest.approx(17.52, rel=0.02)
     old = search(graph, facts, cluster, 1536, use_ilp=False, fixed={"dp": 64, "tp": 2, "pp": 8, "zero": 1})
     assert old.best.strategy.recompute == "full" and old.best.strategy.microbatch == 1
     assert old.best.evaluation.step_time_s > 1.2 * result.best.evaluation.step_time_s
