@@ -202,7 +202,7 @@ def test_plan_json_contract(capsys):
                                   "attention": "fused", "dropout": 0.0, "dp_overlap": True, "tp_overlap": False,
                                   "optimizer_state": "fp32", "zero3_fetch": "unit", "offload": "none", "ep": 1, "cp": 1,
                                   "cp_kind": "ring", "optimizer_impl": "fused", "compile": False,
-                                  "gemm_padding": True, "weight_passes": True}
+                                  "gemm_padding": True, "weight_passes": True, "sp_inputs": "gathered"}
     assert result["fits"] is True
     predicted = result["predicted"]
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes"):
