@@ -89,16 +89,11 @@ def buffer_bytes(facts: ModelFacts, strategy: Strategy) -> float:
     s = strategy
     if s.zero >= 3:
         largest = max((u.params_on_device(s.tp) for u in facts.units), default=0.0)
-        gathered = 2 * largest * state_bytes_per_param_weight(facts, s)
+        gathered = 2 * largest * memory_state_bytes_per_param(facts.precision, s.optimizer_state).weight
         if s.offload == "optimizer":
             gathered += largest / replicas(s) * OFFLOAD_STAGING_BYTES_PER_PARAM
         return gathered
     return 2 * DDP_BUCKET_BYTES if replicas(s) > 1 else 0.0
-
-
-def state_bytes_per_param_weight(facts: ModelFacts, strategy: Strategy) -> float:
-    """Bytes of one gathered weight element (ZeRO-3 gathers in the compute precision)."""
-    return memory_state_bytes_per_param(facts.precision, strategy.optimizer_state).weight
 
 
 def state_bytes_per_param(facts: ModelFacts, strategy: Strategy) -> float:
