@@ -19,6 +19,9 @@ IMPLEMENTATION_KNOBS = ("attention", "dropout", "dp_overlap", "tp_overlap", "opt
                         "optimizer_impl", "gemm_padding", "weight_passes", "sp_inputs")
 # (knob, the runtime's value): read once, not per strategy `supports` checks
 _RUNTIME_KNOBS = tuple((knob, Strategy.model_fields[knob].default) for knob in IMPLEMENTATION_KNOBS)
+# Knobs the runtime also runs at another value, which the searcher chooses where it pays
+# (`searcher.candidates.quick_evaluations`): keeping sequence shards instead of gathered inputs.
+RUNTIME_ALTERNATIVES: dict[str, tuple] = {"sp_inputs": ("regathered",)}
 
 
 @dataclass(frozen=True)
@@ -142,11 +145,16 @@ class Capabilities:
             return self.tensor_parallel_refusal
         if strategy.pp > 1 and self.pipeline_refusal:
             return self.pipeline_refusal
-        for knob, runtime in _RUNTIME_KNOBS:  # priced for other software; the runtime runs its defaults only
+        for knob, runtime in _RUNTIME_KNOBS:  # priced for other software; the runtime runs its own values only
             value = getattr(strategy, knob)
-            if value != runtime:
-                return (f"{knob}={value} prices a run of other software; autopar's runtime runs {knob}={runtime} "
+            others = RUNTIME_ALTERNATIVES.get(knob, ())
+            if value != runtime and value not in others:
+                runs = " or ".join(f"{knob}={v}" for v in (runtime, *others))
+                return (f"{knob}={value} prices a run of other software; autopar's runtime runs {runs} "
                         f"(leave {knob} out of --strategy to plan a run)")
+        if strategy.sp_inputs == "regathered" and strategy.sp and strategy.compile:
+            return ("the runtime keeps sequence shards (sp_inputs=regathered) in eager blocks only: use "
+                    "sp_inputs=gathered with compile")
         if strategy.schedule not in self.schedules:
             return f"the runtime has no {strategy.schedule} schedule"
         if strategy.zero not in self.zero_stages:

@@ -142,9 +142,12 @@ class Strategy(_Record):
     weight_passes: bool = True
     # What a column-parallel projection keeps of its input under sequence parallelism: "gathered", the
     # whole gathered tensor, as the runtime's DTensor projections keep it (measured: `tests/test_tp_memory.py`);
-    # "shards", the sequence shard, gathered again in backward, as Megatron-LM keeps it (Korthikanti et
-    # al. 2022, §4.2.2). Plans made before it load as "gathered".
-    sp_inputs: Literal["gathered", "shards"] = "gathered"
+    # "regathered", the runtime keeping the sequence shard in the blocks it does not recompute and
+    # gathering it again when backward reaches them (`runtime.tensor_parallel.regather`; one more
+    # all-gather per block and micro-batch); "shards", the shard, gathered again in backward overlapped
+    # with the input gradient, as Megatron-LM keeps it (Korthikanti et al. 2022, §4.2.2). The runtime
+    # runs "gathered" and "regathered". Plans made before it load as "gathered".
+    sp_inputs: Literal["gathered", "regathered", "shards"] = "gathered"
     # torch.compile: the whole stage with its loss where `capabilities.whole_stage_problem` allows,
     # else each block (`runtime.compile`); priced as fused elementwise kernels (`cost_models.compute`).
     # A runtime choice, not another software's profile: `autopar run --compile` fixes it.

@@ -106,6 +106,8 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                             add("tp", "all_reduce", size, m)
                     for kind, size in op.collectives:
                         add("tp", kind, size * b, m)
+                for size in regathered_inputs(unit, b, s, policy):
+                    add("tp", "all_gather", size, m)
                 if policy == "full" or (policy == "selective" and selective_repeats and recompute_repeats):
                     repeats = (recomputed_reductions(unit, b, s.sp, 1 / s.cp) if recompute_repeats is None
                                else [(kind, size * b, 1) for kind, size in recompute_repeats.get(unit.name, ())])
@@ -251,6 +253,22 @@ def recomputed_reductions(unit: Unit, batch: float, sp: bool, share: float = 1.0
     if sp:
         repeated += [("all_gather", size, 1) for size in sizes]
     return repeated
+
+
+def keeps_shards(unit: Unit, strategy: Strategy, policy: str) -> bool:
+    """Whether `unit`'s blocks keep their inputs' sequence shards (`sp_inputs=regathered`): a layer not
+    recomputed (a recomputed one keeps what its checkpoint keeps; the head, outside the blocks, keeps
+    the input it gathers)."""
+    s = strategy
+    return s.sp_inputs == "regathered" and s.sp and s.tp > 1 and policy == "none" and unit.layer_type is not None
+
+
+def regathered_inputs(unit: Unit, batch: float, strategy: Strategy, policy: str) -> list[float]:
+    """Bytes of each all-gather `sp_inputs=regathered` adds to `unit`'s backward per micro-batch: each
+    block input gathered again from the shard the block kept (`runtime.tensor_parallel.regather`)."""
+    if not keeps_shards(unit, strategy, policy):
+        return []
+    return [op.gathered_bytes * batch for op in unit.forward_ops if op.gathered_bytes]
 
 
 def sequence_parallel_gradient_reductions(units: list[Unit], strategy: Strategy) -> list[tuple[float, int]]:

@@ -1,9 +1,10 @@
 """How a run is implemented, as far as its cost goes: the knobs `--strategy` accepts beyond the
 parallel layout, so a hand-written or published configuration can be priced as it ran.
 
-The defaults are autopar's runtime (`RUNTIME_PROFILE`); the runtime runs nothing else
-(`autopar.capabilities`), the searcher never chooses another, and a user who fixes one gets a
-what-if price. The knobs, with what the cost model does with each:
+The defaults are autopar's runtime (`RUNTIME_PROFILE`); the runtime runs nothing else but the
+alternatives `autopar.capabilities.RUNTIME_ALTERNATIVES` lists (which the searcher chooses where they
+pay), the searcher never chooses another, and a user who fixes one gets a what-if price. The knobs,
+with what the cost model does with each:
 - `attention=math`: attention with its scores materialized (Megatron-LM before FlashAttention,
   2022): each fused attention op of the graph is priced as the kernels such software runs, two
   batched GEMMs and a softmax (and an attention dropout) forward, four GEMMs and their backward
@@ -36,7 +37,9 @@ what-if price. The knobs, with what the cost model does with each:
 - `sp_inputs=shards`: under sequence parallelism a column-parallel projection keeps its input's
   sequence shard and gathers it again in backward, overlapped with the input gradient (Megatron-LM;
   Korthikanti et al. 2022, §4.2.2), where the runtime's keep the gathered tensor
-  (`OpFacts.gathered_bytes`).
+  (`OpFacts.gathered_bytes`) or, with `sp_inputs=regathered` (a runtime alternative), keep the shard
+  in the layers they do not recompute and gather it again when backward reaches the block, one
+  all-gather more per block and micro-batch, not overlapped (`collectives.regathered_inputs`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from autopar.capabilities import RUNTIME_ALTERNATIVES
 from autopar.errors import AutoparError
 from autopar.cost_models.facts import GemmShape, ModelFacts, OpFacts
 
@@ -63,8 +67,13 @@ def profile_of(strategy_or_fixed: Any) -> dict[str, Any]:
     return {key: getattr(strategy_or_fixed, key) for key in PROFILE_KEYS}
 
 
+
+
 def is_runtime_profile(strategy_or_fixed: Any) -> bool:
-    return profile_of(strategy_or_fixed) == RUNTIME_PROFILE
+    """Whether every knob is one the runtime runs (its default, or an alternative it also runs)."""
+    profile = profile_of(strategy_or_fixed)
+    return all(value == RUNTIME_PROFILE[key] or value in RUNTIME_ALTERNATIVES.get(key, ())
+               for key, value in profile.items())
 
 
 def as_run(facts: ModelFacts, attention: str = "fused", dropout: float = 0.0) -> ModelFacts:

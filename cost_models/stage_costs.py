@@ -17,7 +17,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.plan_schema import Strategy, stage_rank
-from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, recomputed_reductions,
+from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, keeps_shards, recomputed_reductions, regathered_inputs,
                                              vocab_parallel_head_collectives)
 from autopar.cost_models.communication import GroupLayout, collective_time_s
 from autopar.capabilities import gemm_padding_problem
@@ -206,10 +206,11 @@ def unit_kept_bytes(unit: Unit, strategy, policy: str, cache: CostCache | None =
     one rank under `policy`: recomputing rebuilds what the policy did not keep."""
     s = strategy
     b = rank_batch(s)
-    gathered = s.sp_inputs == "gathered"
+    shards = keeps_shards(unit, s, policy)  # `regathered`: else what the checkpoint or the head keeps
+    gathered = s.sp_inputs == "gathered" or (s.sp_inputs == "regathered" and not shards)
     kept = unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache, autocast, gathered)
-    if policy == "none":
-        return kept, 0.0
+    if policy == "none":  # kept shards: one block's input gathered again at a time in backward
+        return kept, unit_gathered_bytes(unit, b, autocast, largest=True) if shards else 0.0
     full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache, autocast, gathered)
     if policy == "selective":
         rebuilt = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective_saved", cache, autocast, gathered)
@@ -227,14 +228,15 @@ def _gathered_part(op: OpFacts, saved: float, counted: bool) -> float:
     return min(saved, gathered)
 
 
-def unit_gathered_bytes(unit: Unit, batch: int, autocast: bool = False) -> float:
-    """A unit's gathered inputs whole, for one micro-batch on one rank (sequence parallelism)."""
+def unit_gathered_bytes(unit: Unit, batch: int, autocast: bool = False, largest: bool = False) -> float:
+    """A unit's gathered inputs whole, for one micro-batch on one rank (sequence parallelism); `largest`:
+    the largest one alone."""
     counted = autocast and unit.autocast_input_bytes is not None
-    total = 0.0
+    parts = [0.0]
     for op in unit.forward_ops:
         saved = op.autocast_saved_bytes if counted and op.autocast_saved_bytes is not None else op.saved_bytes
-        total += _gathered_part(op, saved, counted) * batch
-    return total
+        parts.append(_gathered_part(op, saved, counted) * batch)
+    return max(parts) if largest else sum(parts)
 
 
 def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str, autocast: bool = False,
@@ -345,7 +347,9 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
         forward_comm_s=_tp_reduce_time_s(pricing, t.forward_reduce_bytes, t.forward_reduces, t.forward_collectives,
                                          t.forward_matmul_s),
         backward_comm_s=_tp_reduce_time_s(pricing, t.backward_reduce_bytes, t.backward_reduces,
-                                          t.backward_collectives, t.backward_matmul_s),
+                                          (*t.backward_collectives, *(("all_gather", size) for size in
+                                                                      regathered_inputs(unit, b, s, policy))),
+                                          t.backward_matmul_s),
         recompute_s=recompute_s, transient_bytes=transient, activation_bytes=kept,
         params_on_device=unit.params_on_device(s.tp))
 

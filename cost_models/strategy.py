@@ -16,7 +16,7 @@ _CHOICES = {"recompute": ("none", "selective", "full"),
             "schedule": ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv"),
             "attention": ("fused", "math"), "optimizer_state": ("fp32", "bf16"), "zero3_fetch": ("unit", "parameter"),
             "offload": ("none", "optimizer"), "cp_kind": ("ring", "ulysses"), "optimizer_impl": ("fused", "foreach", "apex"),
-            "sp_inputs": ("gathered", "shards")}
+            "sp_inputs": ("gathered", "regathered", "shards")}
 
 
 def parse_strategy(text: str | None) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover
 from autopar.runtime.precision import autocast, fsdp_policy, precision_problem
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
+from autopar.runtime.tensor_parallel.regather import regathered_outside
 
 
 @dataclass
@@ -369,7 +370,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 3. tensor / sequence parallel over the tp axis
         if s.tp > 1:
             apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path,
-                                  vocab_parallel_loss=s.pp == 1, realization=plan.tp_realization)
+                                  vocab_parallel_loss=s.pp == 1, realization=plan.tp_realization,
+                                  recomputed=regathered_outside(plan))
         # 4. context parallel: attention over the cp ranks' sequence shards
         if s.cp > 1:
             context = apply_context_parallel(module, layout, s)

@@ -97,6 +97,25 @@ def test_world2_llama_plan_kinds():
         _check(strategy, plan, ranks, losses, state)
 
 
+REGATHERED = [
+    dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4, sp_inputs="regathered"),
+    # layer 0 recomputed keeps what its checkpoint keeps; layer 1 keeps shards and gathers them again
+    dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4, recompute="full", recompute_layers=(1,),
+         sp_inputs="regathered"),
+]
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_sequence_shards_kept_and_gathered_again(model):
+    """`sp_inputs=regathered`: blocks keep their input's sequence shard and gather it again in backward
+    (one more all-gather per block and micro-batch, in the ledger); Llama's q, k and v share one gather."""
+    strategies = REGATHERED if model == "gpt" else REGATHERED[:1]
+    plans, results, losses, state = _cases(model, tiny_config(model), strategies, world=2)
+    for strategy, plan, ranks in zip(strategies, plans, results):
+        assert plan.strategy.sp_inputs == "regathered"
+        _check(strategy, plan, ranks, losses, state)
+
+
 WORLD4_GPT = [
     dict(dp=2, tp=2, pp=1, zero=0, microbatch=2),
     dict(dp=2, tp=2, pp=1, sp=True, zero=3, microbatch=2),
@@ -117,6 +136,8 @@ def test_world4_gpt_combinations():
 
 WORLD4_LLAMA = [
     dict(dp=1, tp=2, pp=2, schedule="1f1b", zero=0, microbatch=2),
+    # sequence shards kept across pipeline stages, which hand on plain local shards
+    dict(dp=1, tp=2, pp=2, schedule="1f1b", sp=True, zero=0, microbatch=2, sp_inputs="regathered"),
 ]
 
 

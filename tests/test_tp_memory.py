@@ -52,6 +52,110 @@ def saved_per_layer(job: dict) -> dict[str, int]:
     return saved
 
 
+class _Alive:
+    """Storages made during forward, by the layer running, and which of them outlive it into backward.
+
+    Saved-tensor hooks see nothing a block's own hooks take (`sp_inputs=regathered` swaps its gathered
+    input for the shard there), so this counts what stays allocated instead: every op's outputs
+    (DTensors by their local tensors) are watched by their storage, and when backward's first op runs,
+    the bytes still alive are summed per layer."""
+
+    def __init__(self, running: list[str], parameters: set[int]) -> None:
+        self.running, self.parameters, self.watched, self.alive = running, parameters, {}, None
+
+    def mode(self):
+        import weakref
+
+        from torch.distributed.tensor import DTensor
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                backward = torch._C._current_autograd_node() is not None
+                if backward and tracker.alive is None:
+                    tracker.alive = {}
+                    for ref, size, layer in tracker.watched.values():
+                        if ref() is not None:
+                            tracker.alive[layer] = tracker.alive.get(layer, 0) + size
+                out = func(*args, **(kwargs or {}))
+                if not backward:
+                    for leaf in tree_leaves(out):
+                        if isinstance(leaf, torch.Tensor):
+                            local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+                            held = local.untyped_storage()
+                            known = tracker.watched.get(held._cdata)
+                            # a storage freed in forward may leave its address to a new one
+                            if (known is None or known[0]() is None) and held._cdata not in tracker.parameters:
+                                tracker.watched[held._cdata] = (weakref.ref(held), held.nbytes(), tracker.running[0])
+                return out
+
+        return Mode()
+
+
+def alive_per_layer(job: dict) -> dict[str, int]:
+    """This rank's bytes made in each layer's forward and still allocated when backward starts."""
+    from torch.distributed.tensor import DTensor
+
+    from autopar.models import build_model
+    from autopar.plan_schema import Plan
+    from autopar.runtime.parallelize import parallelize
+
+    spec = build_model("gpt", job["overrides"])
+    parallel = parallelize(spec.module, Plan.from_json(job["plan"]), loss_fn=spec.loss_fn, seed=0)
+    module = parallel.modules[0]
+    running = ["other"]
+    for name, child in module.named_modules():
+        if name.startswith("layers.") and name.count(".") == 1:
+            child.register_forward_pre_hook(lambda m, args, name=name: running.__setitem__(0, name))
+            child.register_forward_hook(lambda m, args, out: running.__setitem__(0, "other"))
+    parameters = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage()._cdata for p in module.parameters()}
+    tracker = _Alive(running, parameters)
+    batch = torch.randint(0, CONFIG["vocab"], (MICROBATCH, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(0))
+    local = parallel.local_batch(batch)
+    with tracker.mode():
+        parallel.forward_backward(local)
+    return tracker.alive
+
+
+@pytest.fixture(scope="module")
+def alive():
+    """Per layer, bytes alive into backward, keeping gathered inputs and keeping shards (tp = 2, sp)."""
+    plans = {inputs: make_plan("gpt", CONFIG, dict(dp=1, tp=2, pp=1, sp=True, zero=0, recompute="none",
+                                                    microbatch=MICROBATCH, sp_inputs=inputs), world=2,
+                               global_batch=MICROBATCH)
+             for inputs in ("gathered", "regathered")}
+    jobs = [dict(plan=plan.to_json(), overrides=CONFIG) for plan in plans.values()]
+    results = run_plans(2, jobs, runner=alive_per_layer)
+    return {inputs: (plan, ranks) for (inputs, plan), ranks in zip(plans.items(), results)}
+
+
+def test_kept_shards_are_what_the_model_counts(alive):
+    """Keeping the sequence shards (`sp_inputs=regathered`) keeps each layer's counted bytes, which are
+    the gathered plan's less (tp − 1)/tp of the gathered norm outputs. The gathered plan, measured the
+    same way, checks the instrument against the saved-tensor count above."""
+    from autopar.cost_models.facts import model_facts
+    from autopar.cost_models.stage_costs import unit_gathered_bytes, unit_kept_bytes
+    from autopar.graph import trace
+    from autopar.models import build_model
+
+    spec = build_model("gpt", CONFIG)
+    facts = model_facts(trace(spec.module, spec.example_inputs(MICROBATCH), loss_fn=spec.loss_fn, precision="fp32"))
+    layers = [facts.units[i] for i in facts.layer_units]
+    for inputs, (plan, ranks) in alive.items():
+        for rank, kept in enumerate(ranks):
+            for layer in layers:
+                counted = unit_kept_bytes(layer, plan.strategy, "none")[0]
+                assert kept[layer.name] == pytest.approx(counted, rel=0.01), (inputs, rank, layer.name)
+    gathered, regathered = alive["gathered"][1][0], alive["regathered"][1][0]
+    for layer in layers:
+        saved = unit_gathered_bytes(layer, MICROBATCH) / 2  # of each whole gathered input, the other rank's half
+        assert saved > 0
+        assert gathered[layer.name] - regathered[layer.name] == pytest.approx(saved, rel=0.01), layer.name
+
+
 @pytest.fixture(scope="module")
 def measured():
     plans = {sp: make_plan("gpt", CONFIG, dict(dp=1, tp=2, pp=1, sp=sp, zero=0, recompute="none",

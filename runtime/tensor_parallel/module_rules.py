@@ -29,6 +29,7 @@ from autopar.errors import AutoparError
 from autopar.plan_schema import parse_placements
 from autopar.runtime.tensor_parallel.autocast import (LowPrecisionInput, LowPrecisionPartialOutput, ProjectionsOnly,
                                                       autocast_dtype, block_inputs_checked)
+from autopar.runtime.tensor_parallel.regather import KeepShard
 
 
 def tp_placement(plan_placement: str) -> str:
@@ -153,7 +154,8 @@ def check_tp_placements(model: nn.Module, placements: dict[str, str], sp: bool) 
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dict[str, str], sp: bool,
-                          head_path: str | None, vocab_parallel_loss: bool = True, realization: str = "modules") -> None:
+                          head_path: str | None, vocab_parallel_loss: bool = True, realization: str = "modules",
+                          recomputed: tuple[str, ...] | None = None) -> None:
     """Shard `model` in place over `tp_mesh`; `head_path` names the Linear producing the logits.
 
     With `vocab_parallel_loss` the logits stay sharded over the vocabulary (the loss must run under
@@ -164,6 +166,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
 
     `realization="dtensor"` realizes the placements with DTensor through the model's forward instead
     (`runtime.tensor_parallel.dtensor`: no head, no blocks, no sp; logits sharded over the vocabulary stay so).
+
+    `recomputed` (`sp_inputs=regathered`): the modules the plan recomputes; under sp every block outside
+    them keeps its input's sequence shard for backward and gathers it again there
+    (`runtime.tensor_parallel.regather`). None keeps the gathered inputs.
     """
     if realization == "dtensor":
         from autopar.runtime.tensor_parallel.dtensor import apply_dtensor_tensor_parallel
@@ -173,7 +179,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
                                "re-run `autopar plan`")
         apply_dtensor_tensor_parallel(model, tp_mesh, placements, vocab_parallel_logits=vocab_parallel_loss)
         return
-    styles = _styles(model, placements, sp, head_path=head_path, vocab_parallel_loss=vocab_parallel_loss)
+    styles = _styles(model, placements, sp, head_path=head_path, vocab_parallel_loss=vocab_parallel_loss,
+                     recomputed=recomputed)
     tied = _tied_groups(model)
     if styles:
         parallelize_module(model, tp_mesh, styles)
@@ -185,7 +192,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
 
 
 def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: str | None = None,
-            vocab_parallel_loss: bool = True) -> dict:
+            vocab_parallel_loss: bool = True, recomputed: tuple[str, ...] | None = None) -> dict:
     styles: dict = {}
     dtensor_stream = sp and vocab_parallel_loss  # see apply_tensor_parallel
     canonical = _canonical_placements(model, placements)
@@ -261,7 +268,8 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                     f"module {path!r} has a row-parallel linear before a column-parallel one ({described}): a block "
                     f"runs column-parallel inputs first and its row-parallel output last"
                 )
-            styles[path] = _BlockInput(sp, path)
+            keep_shard = recomputed is not None and not any(path == r or path.startswith(f"{r}.") for r in recomputed)
+            styles[path] = _BlockInput(sp, path, keep_shard)
     return styles
 
 
@@ -274,14 +282,16 @@ class _BlockInput(ParallelStyle):
     linear projections may read it.
     """
 
-    def __init__(self, sp: bool, path: str = "") -> None:
+    def __init__(self, sp: bool, path: str = "", keep_shard: bool = False) -> None:
         super().__init__()
         self.sp = sp
         self.path = path
+        self.keep_shard = sp and keep_shard  # `runtime.tensor_parallel.regather`
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         layout = Shard(1) if self.sp else Replicate()
         checks: list[ProjectionsOnly | None] = []  # one per forward running, entered before it, left after
+        kept: list[KeepShard | None] = []  # likewise, under `keep_shard`
 
         def convert(x):
             low = autocast_dtype(x)
@@ -289,7 +299,13 @@ class _BlockInput(ParallelStyle):
                 x = x.to(low)
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, (layout,), run_check=False)
+            shard = x
             x = x.redistribute(device_mesh, (Replicate(),))
+            if self.keep_shard:
+                hooks = KeepShard(shard, x, device_mesh, dim=1) if torch.is_grad_enabled() else None
+                if hooks is not None:
+                    hooks.__enter__()
+                kept.append(hooks)
             # Only the dry run checks (training and compiled blocks rely on the dry run the plan was searched
             # with), and only then is the stack touched: a compiled block under activation checkpointing
             # may not mutate state from outside the checkpoint (dynamo refuses and runs the block eagerly).
@@ -304,6 +320,9 @@ class _BlockInput(ParallelStyle):
             check = checks.pop() if checks and block_inputs_checked() else None
             if check is not None:
                 check.__exit__(None, None, None)
+            hooks = kept.pop() if kept else None
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
 
         def hook(_module, args, kwargs):
             if args:
