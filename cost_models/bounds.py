@@ -34,10 +34,11 @@ from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.pipeline import estimated_step_s
 from autopar.cost_models.stage_costs import CostCache, Pricing, part_token, unit_part
 
-# The strategy keys the floor does not read: strategies equal but for these share one floor.
+# The strategy keys the floor does not read: strategies equal but for these share one floor (priced at
+# these values; `sp_inputs=regathered` only adds collectives to the gathered inputs' passes).
 FLOOR_FREE_KEYS = {"zero": 0, "recompute": "none", "recompute_layers": None, "ep": 1, "cp_kind": "ring",
                    "offload": "none", "optimizer_state": "fp32", "optimizer_impl": "fused", "dp_overlap": True,
-                   "zero3_fetch": "unit", "weight_passes": True}
+                   "zero3_fetch": "unit", "weight_passes": True, "sp_inputs": "gathered"}
 
 
 def stage_pass_floors_s(pricing: Pricing, stages_units: list[list[Unit]]

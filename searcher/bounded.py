@@ -29,7 +29,8 @@ from autopar.cost_models.evaluate import Evaluation, partition
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.memory import planning_capacity_bytes
 from autopar.cost_models.stage_costs import CostCache
-from autopar.searcher.candidates import evaluate_fitted, fit_recompute, priced_as_run, valid_strategies
+from autopar.searcher.candidates import (evaluate_fitted, fit_recompute, kept_shards, priced_as_run, shards_may_pay,
+                                         valid_strategies)
 
 # Step floors are lowered by this fraction before they are compared: insurance that no rounding can lift
 # one above the step it bounds (they are summed as the evaluation sums, so none should).
@@ -49,6 +50,11 @@ def bounded_quick_evaluations(
     cache = cache if cache is not None else CostCache()
     facts = priced_as_run(facts, fixed)
     valid, count, rejected = valid_strategies(facts, cluster, fixed, global_batch, layers=layers, supports=supports)
+    # each variant keeping sequence shards follows the completion it varies, `twin_of` it, with its floors
+    # (`FLOOR_FREE_KEYS`), so it comes after it; priced only where `quick_evaluations` prices it
+    twins = [j for j, s in enumerate(valid) if shards_may_pay(s, None, fixed)]
+    twin_of = {len(valid) + k: j for k, j in enumerate(twins)}
+    valid = valid + [kept_shards(valid[j]) for j in twins]
     floors = _floors(facts, cluster, valid, efficiency, cache)
     unfit = _cannot_fit(facts, cluster, valid)
     membership = [[g for g, member in enumerate(groups) if member(s)] for s in valid]
@@ -56,6 +62,9 @@ def bounded_quick_evaluations(
     group_best: list[float | None] = [None] * len(groups)  # per group, its fastest fitting step priced so far
     priced: dict[int, Evaluation] = {}
     for i in sorted(range(len(valid)), key=lambda i: (unfit[i], floors[i], i)):  # those that may fit first
+        twin = twin_of.get(i)
+        if twin is not None and (twin not in priced or not shards_may_pay(valid[twin], priced[twin], fixed)):
+            continue  # its twin was skipped (so would it be: the same floors) or memory does not bind it
         floor, slower = floors[i], unfit[i]  # a plan that does not fit ranks after every one that does
         ranks = len(best) < keep or best[-1][0][0] or (not slower and round(floor, 9) <= best[-1][0][1])
         if not ranks and not any(group_best[g] is None or (not slower and floor <= group_best[g])

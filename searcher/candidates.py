@@ -150,10 +150,28 @@ def quick_evaluations(
     cache = cache if cache is not None else CostCache()
     facts = priced_as_run(facts, fixed)
     valid, count, rejected = valid_strategies(facts, cluster, fixed, global_batch, layers=layers, supports=supports)
-    quick = [evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
-                             overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache)
-             for strategy in valid]
+    def quick_one(strategy: Strategy) -> Evaluation:
+        return evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
+                               overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache)
+
+    quick = [quick_one(strategy) for strategy in valid]
+    quick += [quick_one(kept_shards(strategy)) for strategy, evaluation in zip(valid, quick)
+              if shards_may_pay(strategy, evaluation, fixed)]
     return quick, count, rejected
+
+
+def kept_shards(strategy: Strategy) -> Strategy:
+    return strategy.model_copy(update={"sp_inputs": "regathered"})
+
+
+def shards_may_pay(strategy: Strategy, evaluation: Evaluation | None, fixed: dict[str, Any]) -> bool:
+    """Whether keeping sequence shards (`sp_inputs=regathered`, which the runtime also runs) may beat
+    `strategy`, which keeps gathered inputs: it keeps less but sends one more all-gather per block, so
+    only where memory binds, in a plan that does not fit or recomputes (a layer that keeps shards may
+    not need to); `evaluation`: `strategy`'s (None: whether it is a choice at all)."""
+    if "sp_inputs" in fixed or not is_runtime_profile(fixed) or not strategy.sp or strategy.tp == 1 or strategy.compile:
+        return False
+    return evaluation is None or not evaluation.fits or evaluation.strategy.recompute != "none"
 
 
 def valid_strategies(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *,

@@ -236,7 +236,8 @@ def _rank_key(evaluation: Evaluation) -> tuple:
     # the "closest" the user is told of. Ties broken by a fixed order of the knobs (determinism).
     step_s = round(evaluation.step_time_s, 9)
     return (not evaluation.fits, step_s if evaluation.fits else evaluation.peak_memory_bytes, step_s, s.pp, s.tp,
-            s.zero, s.microbatch, s.schedule, s.vp, s.recompute, s.sp, s.recompute_layers or (), s.cp, s.cp_kind)
+            s.zero, s.microbatch, s.schedule, s.vp, s.recompute, s.sp, s.recompute_layers or (), s.cp, s.cp_kind,
+            s.sp_inputs)
 
 
 class Refiner:

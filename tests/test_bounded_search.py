@@ -130,3 +130,20 @@ def test_estimated_step_is_the_estimates_step(schedule, vp):
         == full.step_time_s
     if schedule == "1f1b":  # closed form: m·slowest rank + (pp-1)·average rank + 2(pp-1) transfers
         assert full.step_time_s == pytest.approx(8 * 6.5 + 3 * (3 + 6.5 + 4.5 + 3) / 4 + 2 * 3 * 0.25)
+
+
+def test_kept_sequence_shards_are_chosen_where_memory_binds(zoo_trace):
+    """Keeping sequence shards (`sp_inputs=regathered`) sends one more all-gather per block and keeps less:
+    the search prices it where memory binds, both rankings alike, and there it fits a larger micro-batch
+    than keeping the gathered inputs does; with room to spare it is not chosen."""
+    _, graph, facts = zoo_trace("gpt", "layers=8,hidden=1024,heads=8,vocab=4096,seq_len=2048", batch=1)
+    cluster = load_cluster("dgx-h100", gpus=8)
+    fixed = {"tp": 4, "sp": True, "recompute": "none"}
+    small = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"memory_bytes": 4 * 2**30})})
+    kept = _searched_both_ways(graph, facts, small, 32, fixed=fixed, use_ilp=False).best.evaluation
+    gathered = search(graph, facts, small, 32, fixed={**fixed, "sp_inputs": "gathered"}, use_ilp=False).best.evaluation
+    assert kept.strategy.sp_inputs == "regathered" and gathered.strategy.sp_inputs == "gathered"
+    assert kept.strategy.microbatch > gathered.strategy.microbatch
+    assert kept.step_time_s < gathered.step_time_s
+    roomy = search(graph, facts, cluster, 32, fixed=fixed, use_ilp=False).best.evaluation
+    assert roomy.strategy.sp_inputs == "gathered"

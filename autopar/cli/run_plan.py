@@ -109,7 +109,7 @@ def strategy_text(s) -> str:
     if s.recompute_layers is not None:
         text += f" recompute_layers={'/'.join(str(k) for k in s.recompute_layers)}"
     if s.tp > 1:
-        text += f" sp={str(s.sp).lower()}"
+        text += f" sp={str(s.sp).lower()}" + (f" sp_inputs={s.sp_inputs}" if s.sp and s.sp_inputs != "gathered" else "")
     if s.pp > 1:
         text += f" schedule={s.schedule}" + (f" vp={s.vp}" if s.vp > 1 else "")
     if s.offload != "none":

@@ -32,7 +32,8 @@ def _header(report: Report) -> str:
 def _layout(report: Report) -> str:
     s = report.strategy
     group = "dp × cp" if s.cp > 1 else "dp"
-    extras = (["sequence parallel"] if s.sp else []) + ([f"zero={s.zero} ({_zero_text(s.zero)} over {group})"]
+    kept = " (blocks keep sequence shards, gathered again in backward)" if s.sp_inputs == "regathered" else ""
+    extras = ([f"sequence parallel{kept}"] if s.sp else []) + ([f"zero={s.zero} ({_zero_text(s.zero)} over {group})"]
                                                          if s.zero else [])
     context = f" × cp={s.cp}" if s.cp > 1 else ""
     lines = [f"parallelism   tp={s.tp}{context} × pp={s.pp} × dp={s.dp} = {s.tp * s.cp * s.pp * s.dp} GPUs"

@@ -78,6 +78,8 @@ def strategy_flag(strategy: Strategy, fixed: dict) -> tuple[str, str]:
         keys.append(f"ep={s.ep}")
     if s.cp > 1:
         keys += [f"cp={s.cp}", f"cp_kind={s.cp_kind}"]
+    if s.sp and s.sp_inputs != "gathered":
+        keys.append(f"sp_inputs={s.sp_inputs}")
     return ",".join(keys), note
 
 
