@@ -46,7 +46,7 @@ from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover
 from autopar.runtime.precision import autocast, fsdp_policy, precision_problem
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
-from autopar.runtime.tensor_parallel.regather import regathered_outside
+from autopar.runtime.tensor_parallel.regather import shard_layers
 
 
 @dataclass
@@ -332,6 +332,9 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     if s.compile and not compile:
         raise AutoparError("this plan was priced compiled (its memory counts what the compiled step saves): "
                            "pass compile=True, or re-run `autopar plan` without compile")
+    if compile and s.sp and s.sp_inputs == "regathered":
+        raise AutoparError("this plan keeps sequence shards (sp_inputs=regathered), which runs eager only: "
+                           "re-run `autopar plan` with compile")
     fingerprint = model_fingerprint(model)
     if plan.provenance.model_fingerprint != fingerprint:
         raise AutoparError(
@@ -371,7 +374,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         if s.tp > 1:
             apply_tensor_parallel(module, layout.mesh["tp"], placements, s.sp, head_path,
                                   vocab_parallel_loss=s.pp == 1, realization=plan.tp_realization,
-                                  recomputed=regathered_outside(plan))
+                                  shard_layers=shard_layers(plan))
         # 4. context parallel: attention over the cp ranks' sequence shards
         if s.cp > 1:
             context = apply_context_parallel(module, layout, s)

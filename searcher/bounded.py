@@ -29,8 +29,8 @@ from autopar.cost_models.evaluate import Evaluation, partition
 from autopar.cost_models.facts import ModelFacts
 from autopar.cost_models.memory import planning_capacity_bytes
 from autopar.cost_models.stage_costs import CostCache
-from autopar.searcher.candidates import (evaluate_fitted, fit_recompute, kept_shards, priced_as_run, shards_may_pay,
-                                         valid_strategies)
+from autopar.searcher.candidates import (evaluate_fitted, fit_recompute, keeps_some_shards, kept_shards, priced_as_run,
+                                         shards_may_pay, valid_strategies)
 
 # Step floors are lowered by this fraction before they are compared: insurance that no rounding can lift
 # one above the step it bounds (they are summed as the evaluation sums, so none should).
@@ -72,6 +72,8 @@ def bounded_quick_evaluations(
             continue
         evaluation = evaluate_fitted(facts, cluster, valid[i], global_batch, exact=False, efficiency=efficiency,
                                      fit=fit_recompute(fixed), cache=cache)
+        if twin is not None and not keeps_some_shards(evaluation, layers):
+            continue
         priced[i] = evaluation
         bisect.insort(best, (rank_key(evaluation), i))
         del best[keep:]

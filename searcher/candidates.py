@@ -155,8 +155,9 @@ def quick_evaluations(
                                overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache)
 
     quick = [quick_one(strategy) for strategy in valid]
-    quick += [quick_one(kept_shards(strategy)) for strategy, evaluation in zip(valid, quick)
-              if shards_may_pay(strategy, evaluation, fixed)]
+    variants = [quick_one(kept_shards(strategy)) for strategy, evaluation in zip(valid, quick)
+                if shards_may_pay(strategy, evaluation, fixed)]
+    quick += [evaluation for evaluation in variants if keeps_some_shards(evaluation, layers)]
     return quick, count, rejected
 
 
@@ -172,6 +173,15 @@ def shards_may_pay(strategy: Strategy, evaluation: Evaluation | None, fixed: dic
     if "sp_inputs" in fixed or not is_runtime_profile(fixed) or not strategy.sp or strategy.tp == 1 or strategy.compile:
         return False
     return evaluation is None or not evaluation.fits or evaluation.strategy.recompute != "none"
+
+
+def keeps_some_shards(evaluation: Evaluation, layers: int) -> bool:
+    """Whether a plan keeping sequence shards keeps any: not when it recomputes every layer, where it is
+    its gathered twin (so it is dropped, and takes no place among the candidates refined)."""
+    s = evaluation.strategy
+    if s.recompute == "none":
+        return True
+    return s.recompute_layers is not None and sum(s.recompute_layers) < layers
 
 
 def valid_strategies(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *,

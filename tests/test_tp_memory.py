@@ -216,3 +216,58 @@ def test_selective_recompute_rebuilds_a_second_gathered_copy_past_one_sequence(g
         second = unit_gathered_bytes(layer, batch) if batch > 1 else 0.0
         assert unit_gathered_bytes(layer, batch) > 0
         assert transient == pytest.approx(rebuilt + second)
+
+
+class _Block(torch.nn.Module):
+    """A column- then row-parallel block; `scale_in_place` changes its gathered input before fc1 reads it."""
+
+    def __init__(self, scale_in_place: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.scale_in_place = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), scale_in_place
+
+    def forward(self, x):
+        if self.scale_in_place:
+            x.mul_(3.0)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def in_place_gradients(job: dict) -> dict:
+    """fc1's weight gradient on this rank, the block input's shard changed in place inside the block
+    (its gathered copy) or after it (the shard itself); an error's message where backward raises one."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    block = _Block(job["where"] == "inside")
+    placements = {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)", "fc2.bias": "R"}
+    apply_tensor_parallel(block, init_device_mesh("cpu", (world,)), placements, sp=True, head_path=None,
+                          vocab_parallel_loss=False, shard_layers=job["shard_layers"])
+    inputs = torch.randn(2, 4 * world, 8, generator=torch.Generator().manual_seed(1))
+    leaf = inputs.chunk(world, dim=1)[rank].clone().requires_grad_()
+    shard = leaf * 2
+    out = block(shard)
+    if job["where"] == "after":
+        shard.add_(100.0)
+    loss = (out.to_local() if hasattr(out, "to_local") else out).pow(2).sum()
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"grad": block.fc1.weight.grad.to_local().clone()}
+
+
+def test_kept_shards_refuse_what_was_changed_in_place():
+    """Saved-tensor hooks bypass autograd's check for tensors changed in place: a gathered input changed
+    inside the block is kept as it is (the gradients are those of keeping it), and a shard changed after
+    the block fails backward with autograd's message, never with wrong gradients."""
+    jobs = [dict(where=where, shard_layers=layers) for where in ("inside", "after") for layers in (None, ("",))]
+    results = run_plans(2, jobs, runner=in_place_gradients)
+    inside_gathered, inside_kept, after_gathered, after_kept = results
+    for gathered, kept in zip(inside_gathered, inside_kept):
+        torch.testing.assert_close(kept["grad"], gathered["grad"])
+    for gathered, kept in zip(after_gathered, after_kept):
+        assert "grad" in gathered
+        assert "modified by an inplace operation" in kept["error"]

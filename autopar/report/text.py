@@ -32,7 +32,9 @@ def _header(report: Report) -> str:
 def _layout(report: Report) -> str:
     s = report.strategy
     group = "dp × cp" if s.cp > 1 else "dp"
-    kept = " (blocks keep sequence shards, gathered again in backward)" if s.sp_inputs == "regathered" else ""
+    every_layer_recomputed = s.recompute != "none" and s.recompute_layers is None
+    kept = (" (blocks keep sequence shards, gathered again in backward)"
+            if s.sp_inputs == "regathered" and not every_layer_recomputed else "")
     extras = ([f"sequence parallel{kept}"] if s.sp else []) + ([f"zero={s.zero} ({_zero_text(s.zero)} over {group})"]
                                                          if s.zero else [])
     context = f" × cp={s.cp}" if s.cp > 1 else ""

@@ -155,7 +155,7 @@ def check_tp_placements(model: nn.Module, placements: dict[str, str], sp: bool) 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dict[str, str], sp: bool,
                           head_path: str | None, vocab_parallel_loss: bool = True, realization: str = "modules",
-                          recomputed: tuple[str, ...] | None = None) -> None:
+                          shard_layers: tuple[str, ...] | None = None) -> None:
     """Shard `model` in place over `tp_mesh`; `head_path` names the Linear producing the logits.
 
     With `vocab_parallel_loss` the logits stay sharded over the vocabulary (the loss must run under
@@ -167,9 +167,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
     `realization="dtensor"` realizes the placements with DTensor through the model's forward instead
     (`runtime.tensor_parallel.dtensor`: no head, no blocks, no sp; logits sharded over the vocabulary stay so).
 
-    `recomputed` (`sp_inputs=regathered`): the modules the plan recomputes; under sp every block outside
-    them keeps its input's sequence shard for backward and gathers it again there
-    (`runtime.tensor_parallel.regather`). None keeps the gathered inputs.
+    `shard_layers` (`sp_inputs=regathered`): the layers (module paths) whose blocks keep their input's
+    sequence shard for backward under sp and gather it again there (`runtime.tensor_parallel.regather`);
+    None: every block keeps its gathered input.
     """
     if realization == "dtensor":
         from autopar.runtime.tensor_parallel.dtensor import apply_dtensor_tensor_parallel
@@ -180,7 +180,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
         apply_dtensor_tensor_parallel(model, tp_mesh, placements, vocab_parallel_logits=vocab_parallel_loss)
         return
     styles = _styles(model, placements, sp, head_path=head_path, vocab_parallel_loss=vocab_parallel_loss,
-                     recomputed=recomputed)
+                     shard_layers=shard_layers)
     tied = _tied_groups(model)
     if styles:
         parallelize_module(model, tp_mesh, styles)
@@ -192,7 +192,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, placements: dic
 
 
 def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: str | None = None,
-            vocab_parallel_loss: bool = True, recomputed: tuple[str, ...] | None = None) -> dict:
+            vocab_parallel_loss: bool = True, shard_layers: tuple[str, ...] | None = None) -> dict:
     styles: dict = {}
     dtensor_stream = sp and vocab_parallel_loss  # see apply_tensor_parallel
     canonical = _canonical_placements(model, placements)
@@ -268,7 +268,7 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                     f"module {path!r} has a row-parallel linear before a column-parallel one ({described}): a block "
                     f"runs column-parallel inputs first and its row-parallel output last"
                 )
-            keep_shard = recomputed is not None and not any(path == r or path.startswith(f"{r}.") for r in recomputed)
+            keep_shard = any(path == layer or path.startswith(f"{layer}.") for layer in shard_layers or ())
             styles[path] = _BlockInput(sp, path, keep_shard)
     return styles
 
@@ -297,9 +297,9 @@ class _BlockInput(ParallelStyle):
             low = autocast_dtype(x)
             if low is not None:
                 x = x.to(low)
+            shard = x  # as handed to the block (and cast): what `keep_shard` keeps
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, (layout,), run_check=False)
-            shard = x
             x = x.redistribute(device_mesh, (Replicate(),))
             if self.keep_shard:
                 hooks = KeepShard(shard, x, device_mesh, dim=1) if torch.is_grad_enabled() else None

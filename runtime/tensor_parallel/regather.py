@@ -11,10 +11,16 @@ carry (`cost_models.collectives.regathered_inputs`). Megatron-LM keeps the shard
 runtime does not.
 
 A checkpointed block keeps nothing of its own (full recompute) or keeps the gather its policy saves
-(selective): the hooks are not installed there, since the checkpoint's own hooks must see its saves.
+(selective): the hooks are not installed there, since the checkpoint's own hooks must see its saves;
+nor outside the layers (the cost model's layer units), where the model counts gathered inputs.
+Saved-tensor hooks bypass autograd's check that a saved tensor was not changed in place, so the
+hooks make their own: a gathered input changed in place is kept as it is, and a shard changed in
+place before backward is an error, as autograd's.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_gather_tensor
@@ -30,13 +36,20 @@ class _Regather:
     """One block call's shard and its gathered copy, rebuilt once per backward for all who saved it."""
 
     def __init__(self, shard: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
-        self.shard, self.mesh, self.dim = shard.contiguous(), mesh, dim
+        # saved-tensor hooks bypass autograd's in-place check: ours, on the tensor the block was handed
+        # (a DTensor's in-place ops count on it, not on its local tensor)
+        self.source, self.version = shard, shard._version
+        self.shard, self.mesh, self.dim = _local(shard).contiguous(), mesh, dim
         self.saved = 0  # tensors saved on the gathered storage
         self.pending = 0  # of those, not yet unpacked in this backward
         self.gathered: torch.Tensor | None = None
 
     def unpacked(self) -> torch.Tensor:
         if self.gathered is None:
+            if self.source._version != self.version:
+                raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                                   "inplace operation: a tensor-parallel block's input shard, kept for backward "
+                                   "(sp_inputs=regathered); plan with sp_inputs=gathered")
             gathered = all_gather_tensor(self.shard, gather_dim=self.dim, group=(self.mesh, 0))
             self.gathered = gathered.wait() if isinstance(gathered, AsyncCollectiveTensor) else gathered
             self.pending = self.saved
@@ -56,13 +69,18 @@ class KeepShard(torch.autograd.graph.saved_tensors_hooks):
         # The gather's output is a fresh contiguous tensor: its storage is exactly it, so a view of it
         # is rebuilt from the gathered copy by its size, stride and offset alone.
         usable = whole.is_contiguous() and whole.storage_offset() == 0 and storage.nbytes() == whole.nbytes
-        regather = _Regather(_local(shard), mesh, dim)
-        key = storage._cdata
+        if not usable:
+            warnings.warn("a sequence-parallel block's gathered input is not one contiguous tensor: it is kept "
+                          "whole, more memory than the plan priced (sp_inputs=regathered)", stacklevel=2)
+        regather = _Regather(shard, mesh, dim)
+        key, versions = storage._cdata, {True: gathered._version, False: whole._version}
 
         def pack(tensor: torch.Tensor):
             local = _local(tensor)
             if not usable or local.untyped_storage()._cdata != key:
                 return tensor
+            if tensor._version != versions[isinstance(tensor, DTensor)]:
+                return tensor  # changed in place since the gather: the shard would not rebuild it, kept as it is
             regather.saved += 1
             spec = (tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else None
             return regather, (local.size(), local.stride(), local.storage_offset()), spec
@@ -80,10 +98,13 @@ class KeepShard(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-def regathered_outside(plan) -> tuple[str, ...] | None:
-    """For `apply_tensor_parallel`: the modules the plan recomputes when it keeps the shards outside them
-    (`Strategy.sp_inputs == "regathered"`), None when it keeps the gathered inputs."""
+def shard_layers(plan) -> tuple[str, ...] | None:
+    """For `apply_tensor_parallel`: the layers whose blocks keep their shards (`Strategy.sp_inputs ==
+    "regathered"`), the plan's layer units it does not recompute, as the cost model counts them
+    (`cost_models.collectives.keeps_shards`); None when the plan keeps the gathered inputs."""
     s = plan.strategy
     if not s.sp or s.sp_inputs != "regathered":
         return None
-    return tuple(plan.recompute_modules) if s.recompute != "none" else ()
+    recomputed = set(plan.recompute_modules) if s.recompute != "none" else set()
+    return tuple(unit for stage in plan.stages for unit in stage.units
+                 if unit not in ("pre", "post") and not unit.startswith("between.") and unit not in recomputed)
