@@ -187,3 +187,20 @@ def test_a_plan_priced_compiled_is_compiled_by_default_and_refused_eager(one_pro
         parallelize(spec.module, plan, loss_fn=spec.loss_fn, compile=False)
     parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn)  # compile=None: the plan's
     assert parallel.forward_loss is not None and parallel.optimizations["compile"] != "off"
+
+
+def test_a_plan_keeping_sequence_shards_is_refused_compiled(one_process_group):
+    """Keeping sequence shards (`sp_inputs=regathered`) runs eager only: the search never offers it with
+    compile, and `parallelize(compile=True)` refuses such a plan before anything is built."""
+    from autopar.capabilities import RUNTIME_CAPABILITIES
+    from autopar.errors import AutoparError
+    from autopar.models import build_model
+    from autopar.runtime.parallelize import parallelize
+
+    overrides = tiny_config("gpt")
+    strategy = {"dp": 1, "tp": 2, "pp": 1, "sp": True, "microbatch": 4, "sp_inputs": "regathered"}
+    plan = make_plan("gpt", overrides, strategy, 2, GLOBAL_BATCH)
+    assert "eager" in RUNTIME_CAPABILITIES.supports(plan.strategy.model_copy(update={"compile": True}))
+    spec = build_model("gpt", overrides)
+    with pytest.raises(AutoparError, match="sp_inputs=regathered"):
+        parallelize(spec.module, plan, loss_fn=spec.loss_fn, compile=True)
