@@ -61,7 +61,8 @@ def main() -> None:
         plan = (f"dp={s.dp} tp={s.tp} pp={s.pp} mb={s.microbatch} {s.schedule}"
                 + (f" v={s.vp}" if s.vp > 1 else "") + f" zero={s.zero} rc={s.recompute}"
             + ("" if s.recompute_layers is None else "[" + "/".join(map(str, s.recompute_layers)) + "]")
-            + f" sp={s.sp}" + (f" offload={s.offload}" if s.offload != "none" else "")
+            + f" sp={s.sp}" + (f" sp_inputs={s.sp_inputs}" if s.sp and s.sp_inputs != "gathered" else "")
+            + (f" offload={s.offload}" if s.offload != "none" else "")
             + (f" ep={s.ep}" if s.ep > 1 else "") + (f" cp={s.cp} {s.cp_kind}" if s.cp > 1 else "") + ": "
                 f"{chosen.evaluation.step_time_s:.2f} s/step, MFU {chosen.evaluation.mfu:.1%}"
                 + ("" if chosen.evaluation.fits else " (does not fit)"))
