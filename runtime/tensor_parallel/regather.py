@@ -23,9 +23,14 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_gather_tensor
+import torch.distributed._functional_collectives as functional
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+
+# torch 2.13 renamed it (the old name warns); the device machines' 2.11 may have only the old one
+_all_gather = getattr(functional, "all_gather_single", None) or functional.all_gather_tensor
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,7 +55,7 @@ class _Regather:
                 raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
                                    "inplace operation: a tensor-parallel block's input shard, kept for backward "
                                    "(sp_inputs=regathered); plan with sp_inputs=gathered")
-            gathered = all_gather_tensor(self.shard, gather_dim=self.dim, group=(self.mesh, 0))
+            gathered = _all_gather(self.shard, gather_dim=self.dim, group=(self.mesh, 0))
             self.gathered = gathered.wait() if isinstance(gathered, AsyncCollectiveTensor) else gathered
             self.pending = self.saved
         full = self.gathered
