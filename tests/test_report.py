@@ -409,3 +409,18 @@ def test_written_files_get_the_umask_mode_not_mkstemps_0600(tmp_path):
     finally:
         os.umask(previous)
     assert (tmp_path / "r.html").stat().st_mode & 0o777 == 0o644
+
+
+def test_kept_sequence_shards_are_shown_and_reproduced():
+    """A plan keeping sequence shards says so: its `--strategy` line fixes `sp_inputs=regathered` (parsed
+    back to the same keys) and its one-line label carries it; a plan keeping gathered inputs shows
+    neither, as before."""
+    from autopar.cost_models.strategy import parse_strategy
+    from autopar.report.views import strategy_flag, strategy_label
+
+    kept = Strategy(dp=2, tp=4, pp=1, sp=True, microbatch=2, num_microbatches=1, sp_inputs="regathered")
+    flag, _ = strategy_flag(kept, {})
+    assert parse_strategy(flag)["sp_inputs"] == "regathered"
+    assert "sp_inputs=regathered" in strategy_label(kept)
+    gathered = kept.model_copy(update={"sp_inputs": "gathered"})
+    assert "sp_inputs" not in strategy_flag(gathered, {})[0] and "sp_inputs" not in strategy_label(gathered)

@@ -52,6 +52,8 @@ def strategy_label(strategy: Strategy) -> str:
         label += f" ep={strategy.ep}"
     if strategy.cp > 1:
         label += f" cp={strategy.cp} cp_kind={strategy.cp_kind}"
+    if strategy.sp and strategy.sp_inputs != "gathered":
+        label += f" sp_inputs={strategy.sp_inputs}"
     return label
 
 
