@@ -46,7 +46,7 @@ from autopar.cost_models.context import AttentionLayer, rank_batch, replica_axis
 from autopar.cost_models.experts import (ExpertLayer, all_to_all_axis, fsdp_expert_elements, unit_all_to_alls,
                                          unit_expert_params)
 from autopar.cost_models.facts import Unit
-from autopar.cost_models.memory import gradients_sharded
+from autopar.cost_models.memory import gradients_sharded, runs_autocast
 from autopar.cost_models.recompute import stage_policies
 
 GRADIENT_REDUCE_BYTES = 4  # fp32 gradient reduction, whatever the compute precision
@@ -126,16 +126,17 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                     add(all_to_all_axis(s), "all_to_all", size, m * per_pass)
         if s.pp > 1:
             shard = s.tp if s.sp else 1
+            autocast = runs_autocast(s, precision)  # the residual stream goes over fp32 weights: fp32
             # zbv's V turns at the last rank: two stages there hand their tensors over in place
             same_rank = [stage_rank(i, s.pp, s.schedule) == pp_rank for i in (index - 1, index + 1)]
             if index > 0 and units and not same_rank[0]:
                 for tensor in units[0].cut:
-                    add("pp", "recv", tensor.bytes_for(b) / shard, m)  # activations in
-                    add("pp", "send", tensor.bytes_for(b) / shard, m if tensor.grad else 0)  # their gradients back
+                    add("pp", "recv", tensor.bytes_for(b, autocast) / shard, m)  # activations in
+                    add("pp", "send", tensor.bytes_for(b, autocast) / shard, m if tensor.grad else 0)  # gradients back
             if index < last and stages[index + 1] and not same_rank[1]:
                 for tensor in stages[index + 1][0].cut:
-                    add("pp", "send", tensor.bytes_for(b) / shard, m)
-                    add("pp", "recv", tensor.bytes_for(b) / shard, m if tensor.grad else 0)
+                    add("pp", "send", tensor.bytes_for(b, autocast) / shard, m)
+                    add("pp", "recv", tensor.bytes_for(b, autocast) / shard, m if tensor.grad else 0)
         if copies > 1 and s.zero >= 1:
             tied_copies = sum(n for stage, n in tied["copies"] if stage == index)
             moe = experts if s.ep > 1 else ()

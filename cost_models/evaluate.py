@@ -161,7 +161,7 @@ def run_pipeline(pricing: Pricing, prices: StagePrices, stages_units: list[list[
     stages' ranks (the network once pp's stride leaves the node), at that link's bandwidth plus a
     step of its latency; a transfer delays the pass that needs it, not the rank that sends."""
     s = pricing.strategy
-    p2p = stage_transfer_s(s, pricing.cluster, stages_units)
+    p2p = stage_transfer_s(s, pricing.cluster, stages_units, pricing.autocast_runs())
     stage_costs = prices.stages
     return (simulate if exact else estimate)(
         [c.forward_s for c in stage_costs], [c.backward_s for c in stage_costs], s.num_microbatches, s.schedule,
@@ -170,13 +170,16 @@ def run_pipeline(pricing: Pricing, prices: StagePrices, stages_units: list[list[
     )
 
 
-def stage_transfer_s(s: Strategy, cluster: ClusterSpec, stages_units: list[list[Unit]]) -> float:
-    """One point-to-point transfer between pipeline stages: the largest boundary's bytes over the pp link."""
+def stage_transfer_s(s: Strategy, cluster: ClusterSpec, stages_units: list[list[Unit]], autocast: bool = False
+                     ) -> float:
+    """One point-to-point transfer between pipeline stages: the largest boundary's bytes over the pp link;
+    `autocast`: at autocast's dtypes, as the runtime sends them over fp32 weights (`CutTensor.autocast_bytes`;
+    without it, as traced: the floor `cost_models.bounds` takes, which is never more)."""
     if s.pp == 1:
         return 0.0
     pp_layout = group_layout(s.pp, s.dp * s.cp * s.tp, cluster.gpus_per_node)
     batch = rank_batch(s)
-    boundary_bytes = max((sum(t.bytes_for(batch) for t in u[0].cut) for u in stages_units[1:] if u),
+    boundary_bytes = max((sum(t.bytes_for(batch, autocast) for t in u[0].cut) for u in stages_units[1:] if u),
                          default=0.0) \
         / (s.tp if s.sp else 1)
     return collective_time_s("send_recv", boundary_bytes, pp_layout, cluster)

@@ -258,7 +258,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
             owner[name] = order[0]
     first_input = unit_input_bytes(graph, unit_of, per_sample)
     autocast_input = unit_input_bytes(graph, unit_of, per_sample, autocast_dtypes) if autocast_dtypes else None
-    cuts = cut_tensors(graph, unit_of, order, per_sample)
+    cuts = cut_tensors(graph, unit_of, order, per_sample, autocast_dtypes)
     elementwise_read = {p for node in graph.nodes if node.phase == "forward"
                         and op_packet(node) not in CONTRACTIONS and op_packet(node) != "embedding" for p in node.params}
     tp_dims = param_tp_dims(graph, status, sharded)

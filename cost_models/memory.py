@@ -203,6 +203,13 @@ def autocast_states(precision: str, zero: int, offload: str, optimizer_state: st
     return precision != "fp32" and unsharded_states(zero, offload, optimizer_state)
 
 
+def runs_autocast(strategy, precision: str) -> bool:
+    """Whether the ops run under autocast over fp32 weights (`OpFacts.autocast_bytes`): ZeRO 0, no
+    offload, 16-bit compute, as the runtime runs it (not `weight_passes=false`: 16-bit weights)."""
+    s = strategy
+    return s.weight_passes and autocast_states(precision, s.zero, s.offload, s.optimizer_state)
+
+
 def unsharded_states(zero: int, offload: str, optimizer_state: str) -> bool:
     """Whether the runtime holds this plan's states whole, in fp32 (`_unsharded_peak`)."""
     return zero == 0 and offload == "none" and optimizer_state == "fp32"

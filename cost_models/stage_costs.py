@@ -25,7 +25,7 @@ from autopar.cost_models.compute import Efficiency, UnitTime, op_time_s, unit_ti
 from autopar.cost_models.context import rank_batch, replicas, unit_exchange_s
 from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_all_to_alls, unit_expert_params
 from autopar.cost_models.facts import ModelFacts, OpFacts, Unit
-from autopar.cost_models.memory import autocast_states, gradients_sharded, state_bytes_per_param
+from autopar.cost_models.memory import gradients_sharded, runs_autocast, state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
 from autopar.cost_models.compiled_stage import compiled_layers, whole_stage_compiled
 from autopar.cost_models.weight_passes import weight_pass_bytes
@@ -132,13 +132,6 @@ class StagePrices:
     rank_expert_params: tuple[float, ...] = ()  # per pipeline rank: its share of expert parameters (over ep)
     # cp > 1, per stage and micro-batch: the attention exchange (ring p2p or ulysses all-to-all), exposed
     cp_comm_s: tuple[float, ...] = ()
-
-
-def runs_autocast(strategy, precision: str) -> bool:
-    """Whether the ops run under autocast over fp32 weights (`OpFacts.autocast_bytes`): ZeRO 0, no
-    offload, 16-bit compute, as the runtime runs it (not `weight_passes=false`: 16-bit weights)."""
-    s = strategy
-    return s.weight_passes and autocast_states(precision, s.zero, s.offload, s.optimizer_state)
 
 
 @dataclass(frozen=True)

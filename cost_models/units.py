@@ -8,6 +8,7 @@ after it, except what every stage recomputes from the inputs and buffers alone.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from autopar.graph.ir import DTYPE_BYTES, OpGraph, TensorMeta
@@ -21,9 +22,13 @@ class CutTensor(NamedTuple):
     # It grows with the batch: it depends on the model's inputs. A tensor made from weights and
     # positions alone (T5's relative position bias) is the same size for any micro-batch.
     per_sample: bool = True
+    # `bytes` at autocast's dtypes (the residual stream stays fp32 over fp32 weights); None: as traced
+    autocast_bytes: float | None = None
 
-    def bytes_for(self, batch: int) -> float:
-        return self.bytes * batch if self.per_sample else self.bytes
+    def bytes_for(self, batch: int, autocast: bool = False) -> float:
+        """Bytes for a micro-batch of `batch`; `autocast`: as the runtime sends it under autocast (ZeRO 0)."""
+        size = self.autocast_bytes if autocast and self.autocast_bytes is not None else self.bytes
+        return size * batch if self.per_sample else size
 
 
 def assign_units(graph: OpGraph) -> dict[str, str]:
@@ -86,12 +91,23 @@ def unit_input_bytes(graph: OpGraph, unit_of: dict[str, str], per_sample: float,
 _FLOATING = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
 
 
-def cut_tensors(graph: OpGraph, unit_of: dict[str, str], order: list[str], per_sample: float
-                 ) -> dict[str, tuple[CutTensor, ...]]:
+def _autocast_bytes(node, shape, dtype: str, dtypes: dict[str, list[str]]) -> float:
+    """Bytes of `node`'s output of this shape and traced dtype at the dtype autocast gives it."""
+    given = dtypes.get(node.name) or []
+    for index, meta in enumerate(node.output_meta):
+        if tuple(meta.shape) == tuple(shape) and meta.dtype == dtype and index < len(given):
+            return math.prod(shape) * DTYPE_BYTES.get(given[index], 4)
+    return TensorMeta(shape=shape, dtype=dtype).bytes
+
+
+def cut_tensors(graph: OpGraph, unit_of: dict[str, str], order: list[str], per_sample: float,
+                dtypes: dict[str, list[str]] | None = None) -> dict[str, tuple[CutTensor, ...]]:
     """Per unit: the forward tensors crossing a pipeline cut placed just before it (see `facts.Unit.cut`),
-    in the order their producers ran. A tensor is recomputable when no parameter flows into it (the
-    runtime's stages recompute those). Known gap: traced at batch 1, a tensor made from weights
-    alone but expanded to the batch is priced as one sample's, whatever the micro-batch."""
+    in the order their producers ran; with `dtypes` (each node's output dtypes under autocast,
+    `autocast.autocast_activations`), their bytes at those too. A tensor is recomputable when no
+    parameter flows into it (the runtime's stages recompute those). Known gap: traced at batch 1, a
+    tensor made from weights alone but expanded to the batch is priced as one sample's, whatever the
+    micro-batch."""
     position = {unit: i for i, unit in enumerate(order)}
     forward = [node for node in graph.nodes if node.phase == "forward"]
     recomputable: set[str] = set()
@@ -106,6 +122,7 @@ def cut_tensors(graph: OpGraph, unit_of: dict[str, str], order: list[str], per_s
         if any(n.startswith("input:") or n in from_inputs for n in names):
             from_inputs.add(node.name)
     produced_at = {node.name: position[unit_of[node.name]] for node in forward}
+    producers = {node.name: node for node in forward}
     last_read: dict[tuple, int] = {}  # (producer, shape, dtype) -> the last unit reading it
     for node in forward:
         reader = position[unit_of[node.name]]
@@ -118,8 +135,10 @@ def cut_tensors(graph: OpGraph, unit_of: dict[str, str], order: list[str], per_s
         # Made from the inputs, or expanded to the batch (learned queries, decoder ids built to the
         # batch size): only a traced batch of 2 or more tells the latter from a weight-made tensor.
         batched = name in from_inputs or (graph.batch > 1 and bool(shape) and shape[0] == graph.batch)
-        size = TensorMeta(shape=shape, dtype=dtype).bytes * (per_sample if batched else 1.0)
-        tensor = CutTensor(size, dtype in _FLOATING and name in from_params, batched)
+        scale = per_sample if batched else 1.0
+        size = TensorMeta(shape=shape, dtype=dtype).bytes * scale
+        tensor = CutTensor(size, dtype in _FLOATING and name in from_params, batched,
+                           _autocast_bytes(producers[name], shape, dtype, dtypes) * scale if dtypes else None)
         for cut in range(produced_at[name] + 1, reader + 1):
             result.setdefault(order[cut], []).append(tensor)
     return {unit: tuple(tensors) for unit, tensors in result.items()}
