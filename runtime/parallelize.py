@@ -43,7 +43,8 @@ from autopar.runtime.mesh import RankLayout, build_layout
 from autopar.runtime.optimizer import build_optimizer, clear_gradient_scale, defer_gradient_scale
 from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
                                                retie_across_stages, tied_gradient_groups)
-from autopar.runtime.precision import autocast, fsdp_policy, precision_problem
+from autopar.runtime.loss_scaling import LossScale, loss_scale_for, scaled_loss
+from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
 from autopar.runtime.tensor_parallel.regather import shard_layers
@@ -69,6 +70,7 @@ class ParallelModel:
     expert_buckets: GradientBuckets | None = None  # ep < dp: expert gradients summed over their replicas
     context: ContextParallel | None = None  # cp > 1: this rank's sequence shards and their loss
     forward_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # the stage and its loss compiled as one
+    loss_scale: LossScale | None = None  # fp16: the dynamic loss scale (runtime/loss_scaling.py)
     optimizations: dict[str, str] = field(default_factory=dict)  # what the runtime applied, for the user
 
     @property
@@ -117,13 +119,14 @@ class ParallelModel:
         loss_context = loss_parallel if self.vocab_parallel_loss else contextlib.nullcontext
         total = torch.zeros((), device=self.layout.device)
         fsdp = s.zero >= 1
+        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         with loss_context(), self.step_context():
             if self.schedule is not None:
                 losses: list[torch.Tensor] = []
                 with autocast(self.precision, self.layout.device, fsdp):
-                    self.schedule.step(local, losses)
+                    self.schedule.step(local, losses)  # its loss scaled (`scaled_loss`)
                 for loss in losses:
-                    total += _local_value(loss.detach())
+                    total += _local_value(loss.detach()) / scale if self.loss_scale is not None else _local_value(loss.detach())
                 return total
             module = self.modules[0]
             micro = local.chunk(s.num_microbatches)
@@ -139,7 +142,7 @@ class ParallelModel:
                         loss = self.forward_loss(x)
                     else:
                         loss = self.loss_fn(module(x), x)
-                (loss / s.num_microbatches).backward()
+                (loss / s.num_microbatches if self.loss_scale is None else loss * scale / s.num_microbatches).backward()
                 total += _local_value(loss.detach())
         return total
 
@@ -165,13 +168,15 @@ class ParallelModel:
             if grad is not None:
                 dist.all_reduce(_local_value(grad), group=group)
 
-    def clip_grad_norm_(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None,
+                        loss_scale: float = 1.0) -> torch.Tensor:
         """Global gradient norm over every shard and stage (one scalar all-reduce), then clip. On a GPU
         norms and scaling run as foreach kernels over the gradients that count alike (a few launches,
         not four per parameter: a launch-bound step pays for each); on the host, under offload, the
         norm runs by rows over its threads (`autopar.gradient_norm`). With a fused `optimizer` the
         scaling is its next step's instead (`runtime.optimizer.defer_gradient_scale`): one pass over
-        every gradient fewer."""
+        every gradient fewer. `loss_scale`: the gradients are that multiple of the loss's (fp16): the
+        norm returned is theirs divided by it, and the scaling divides them by it too."""
         tied = {name: len(ranks) for name, _, ranks in self.tied_groups}
         groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
         seen: set[int] = set()  # a weight two of this rank's stages share (zbv's embedding and head): once
@@ -197,9 +202,12 @@ class ParallelModel:
         for (copies, _, _), locals_ in groups.items():  # on the host under offload: `autopar.gradient_norm`
             squares += squares_sum(locals_).to(squares.device) / copies
         dist.all_reduce(squares)
-        norm = squares.sqrt()
-        if max_norm > 0:
-            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        norm = squares.sqrt() if loss_scale == 1.0 else squares.sqrt() / loss_scale
+        if max_norm > 0 or loss_scale != 1.0:
+            # not finite (an overflow under a loss scale): any scaling, the step is skipped
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
+            if loss_scale != 1.0:
+                scale = scale / loss_scale
             devices = {device for _, device, _ in groups}
             if not defer_gradient_scale(optimizer, scale, devices):
                 for (_, device, _), locals_ in groups.items():
@@ -227,9 +235,14 @@ class ParallelModel:
         loss_sum = self.forward_backward(rows)
         self.sync_gradients()
         try:
-            if max_grad_norm > 0:
-                self.clip_grad_norm_(max_grad_norm, optimizer)
-            optimizer.step()
+            if self.loss_scale is not None:  # fp16: the norm says whether the scaled gradients overflowed
+                norm = self.clip_grad_norm_(max_grad_norm, optimizer, loss_scale=self.loss_scale.scale)
+                if self.loss_scale.update(norm.item()):
+                    optimizer.step()
+            else:
+                if max_grad_norm > 0:
+                    self.clip_grad_norm_(max_grad_norm, optimizer)
+                optimizer.step()
         finally:  # a step that raised must not leave its deferred scale to the next one
             clear_gradient_scale(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -326,8 +339,6 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     micro-batch shape; by default the plan's `model_inputs`.
     """
     s = plan.strategy
-    if problem := precision_problem(precision):
-        raise AutoparError(problem)
     compile = s.compile if compile is None else compile
     if s.compile and not compile:
         raise AutoparError("this plan was priced compiled (its memory counts what the compiled step saves): "
@@ -408,6 +419,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     parallel.canonical = dict(source.alias)
     parallel.expert_groups, parallel.expert_params = groups, frozenset(expert_names)
     parallel.context = context
+    parallel.loss_scale = loss_scale_for(precision)
     if compile and whole_stage_problem(s) is None:  # 8b. the whole stage and its loss as one graph
         parallel.forward_loss = compile_forward_loss(modules[0], loss_fn)
     parallel.optimizations = {**applied_optimizations(model, s, compile), "GEMM padding": padding,
@@ -417,7 +429,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     if cut is not None:  # 9. the pipeline schedule over this rank's stages
         parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters(), s.schedule)
         parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
-                                           layout.group("pp"), s.schedule, s.num_microbatches, loss_fn,
+                                           layout.group("pp"), s.schedule, s.num_microbatches,
+                                           loss_fn if parallel.loss_scale is None else scaled_loss(loss_fn, parallel.loss_scale),
                                            scale_grads=not buckets, zero=s.zero if replicas > 1 else 0)
     if buckets:  # 10. dp (x cp) sync in buckets, overlapped with the last backward (they average over micro-batches too)
         named = parallel.named_parameters()

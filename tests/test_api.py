@@ -87,17 +87,18 @@ def test_write_is_all_or_none(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["plan"] == json.loads((tmp_path / "plan.json").read_text())
 
 
-def test_parallelize_refuses_fp16():
-    """fp16 without loss scaling would flush small gradients to zero: refused with the fix, before any
-    process group is needed (`runtime.precision`)."""
+def test_parallelize_trains_fp16_with_a_loss_scale(one_process_group):
+    """fp16 trains under a dynamic loss scale (`runtime.loss_scaling`, tests/test_loss_scaling.py); bf16
+    needs none."""
     from autopar.models import build_model
 
     spec = build_model("gpt", "layers=2,hidden=32,heads=4,vocab=96,seq_len=16")
     result = autopar.plan(spec.module, spec.example_inputs(1), loss_fn=spec.loss_fn, global_batch=4,
                           cluster=autopar.load_cluster("dgx-h100", gpus=1), precision="fp16", use_ilp=False)
-    assert result.plan is not None  # fp16 is still priced
-    with pytest.raises(autopar.AutoparError, match="fp16 training needs loss scaling.*bf16"):
-        autopar.parallelize(spec.module, result.plan, loss_fn=spec.loss_fn, precision="fp16")
+    parallel = autopar.parallelize(spec.module, result.plan, loss_fn=spec.loss_fn, precision="fp16")
+    assert parallel.loss_scale is not None and parallel.loss_scale.scale == 2.0**16
+    bf16 = autopar.parallelize(spec.module, result.plan, loss_fn=spec.loss_fn, precision="bf16")
+    assert bf16.loss_scale is None
 
 
 def test_model_hints_read_zoo_and_hugging_face_configs():

@@ -187,8 +187,6 @@ CASES = [
      ["--checkpoint-dir", "is a file"]),
     ("run-factory-model", ["run", "--model", "raises_while_building:build", "--cluster", "local", "--global-batch",
                            "4", "--steps", "2", "--metrics", "{w}/m.jsonl"], ["ValueError: width must be a power"]),
-    ("run-fp16-without-loss-scaling", [*RUN, "--precision", "fp16", "--metrics", "{w}/m.jsonl", "--checkpoint-dir",
-                                       "{w}/ck"], ["fp16 training needs loss scaling", "bf16"]),
     # --- data ------------------------------------------------------------------------------------------
     ("data-prepare-empty-text-field", ["data", "prepare", "--input", "{w}/text.txt", "--out", "{w}/ds",
                                        "--text-field", ""], ["--text-field is empty"]),

@@ -58,11 +58,6 @@ class RunConfig(BaseModel):
         """The refusals that need no model, data or process group: one line each, before anything runs."""
         if self.steps < 1:
             raise AutoparError(f"--steps must be at least 1, got {self.steps}")
-        if self.precision is not None:  # the default (bf16 on CUDA, fp32 on CPU) always trains
-            from autopar.runtime.precision import precision_problem
-
-            if problem := precision_problem(self.precision):
-                raise AutoparError(problem)
         for flag in ("model", "plan", "cluster", "data", "checkpoint_dir", "resume", "metrics", "tensorboard",
                      "profile_dir", "report"):
             value = getattr(self, flag)

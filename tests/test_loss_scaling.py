@@ -1,0 +1,136 @@
+"""fp16 training with a dynamic loss scale (`runtime/loss_scaling.py`), on CPU autocast and gloo.
+
+Without a scale, fp16 activation gradients below its smallest subnormal flush to zero; with it they
+reach the optimizer as fp32 computes them. An overflow skips the step on every rank together and
+halves the scale. Every layout trains like one fp16 process, and sends what its plan predicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parity_harness import MAX_GRAD_NORM, batches, run_plans, tiny_config
+from test_runtime_parity import _check_collectives
+
+STEPS = 3
+GLOBAL_BATCH = 8
+TINY_LOSS = 2.0**-16  # a loss this small leaves fp16 activation gradients below 6e-8 (every one, here)
+
+
+def fp16_plan(strategy: dict, world: int):
+    import autopar
+    from autopar.models import build_model
+
+    spec = build_model("gpt", tiny_config("gpt"))
+    config = spec.config
+    result = autopar.plan(spec.module, spec.example_inputs(1), cluster=autopar.load_cluster("dgx-h100", gpus=world),
+                          global_batch=GLOBAL_BATCH, strategy=strategy, loss_fn=spec.loss_fn, precision="fp16",
+                          name="gpt", seq_len=config.seq_len, heads=config.heads, kv_heads=config.num_kv_heads,
+                          vocab=config.padded_vocab, use_ilp=False)
+    return result.plan
+
+
+class _Recorder(torch.optim.SGD):
+    """SGD that keeps the gradients each step saw (after the clip's and the loss scale's scaling)."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.05, momentum=0.9)
+        self.seen: list[dict[int, torch.Tensor]] = []
+
+    def step(self, closure=None):
+        self.seen.append({id(p): p.grad.detach().clone() for group in self.param_groups for p in group["params"]
+                          if p.grad is not None})
+        return super().step(closure)
+
+
+def train(job: dict) -> dict:
+    """Train the tiny GPT under `job`'s plan and precision: losses, the final weights, what the scale did,
+    the last step's collectives and the position table's gradient in the first step."""
+    from autopar.models import build_model
+    from autopar.plan_schema import Plan
+    from autopar.runtime.collectives import CollectiveCounter, group_axes
+    from autopar.runtime.parallelize import parallelize
+
+    spec = build_model("gpt", tiny_config("gpt"))
+    factor = job.get("loss_factor", 1.0)
+    loss_fn = spec.loss_fn if factor == 1.0 else (lambda out, x: spec.loss_fn(out, x) * factor)
+    parallel = parallelize(spec.module, Plan.from_json(job["plan"]), loss_fn=loss_fn, seed=0,
+                           precision=job["precision"])
+    if job.get("unscaled"):
+        parallel.loss_scale = None
+    if job.get("initial_scale") is not None:
+        parallel.loss_scale.scale = job["initial_scale"]
+    optimizer = _Recorder(parallel.parameters())
+    before = {name: p.detach().clone() for name, p in parallel.full_state_dict().items()}
+    data = job["data"]
+    losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in data[:-1]]
+    with CollectiveCounter(group_axes(parallel)) as counter:
+        losses.append(parallel.train_step(data[-1], optimizer, max_grad_norm=MAX_GRAD_NORM))
+    named = {id(p): name for name, p in parallel.named_parameters().items()}
+    first = {named[key]: grad for key, grad in optimizer.seen[0].items()} if optimizer.seen else {}
+    scale = parallel.loss_scale
+    return {"losses": losses, "state": parallel.full_state_dict(), "before": before, "pp_rank": parallel.layout.pp_rank,
+            "collectives": counter.counts.as_rows(), "steps_taken": len(optimizer.seen),
+            "scale": scale.scale if scale else None, "skipped": scale.skipped_steps if scale else None,
+            "first_grads": {name: grad for name, grad in first.items() if name == "pos_embed.weight"}}
+
+
+@pytest.fixture(scope="module")
+def data():
+    return batches(tiny_config("gpt")["vocab"], GLOBAL_BATCH, tiny_config("gpt")["seq_len"], STEPS)
+
+
+def test_the_scale_moves_as_torch_gradscaler_does():
+    from autopar.runtime.loss_scaling import LossScale
+
+    scale = LossScale(growth_interval=3)
+    assert scale.update(float("inf")) is False and scale.scale == 2.0**15 and scale.skipped_steps == 1
+    assert scale.update(float("nan")) is False and scale.scale == 2.0**14
+    assert all(scale.update(1.0) for _ in range(2)) and scale.scale == 2.0**14
+    assert scale.update(1.0) and scale.scale == 2.0**15  # the third finite step in a row doubles it
+    assert scale.finite_in_a_row == 0 and scale.skipped_steps == 2
+
+
+def test_small_gradients_survive_in_fp16_only_with_the_scale(data):
+    """A loss of 2^-16 times the usual: the position table's gradient (reached through every layer) as
+    fp32 computes it, as fp16 does with the scale (close to it), and without (flushed to zero)."""
+    plan = fp16_plan({"dp": 1, "tp": 1, "pp": 1, "microbatch": 8}, 1)
+    jobs = [dict(plan=plan.to_json(), precision=precision, data=data[:1], loss_factor=TINY_LOSS, unscaled=unscaled)
+            for precision, unscaled in (("fp32", False), ("fp16", False), ("fp16", True))]
+    (fp32,), (scaled,), (unscaled,) = run_plans(1, jobs, runner=train)
+    (name, reference), = fp32["first_grads"].items()
+    assert reference.abs().max() > 0
+    error = (scaled["first_grads"][name] - reference).norm() / reference.norm()
+    assert error < 0.01, error
+    flushed = unscaled["first_grads"][name]
+    assert flushed.norm() < 0.05 * reference.norm()
+
+
+@pytest.mark.parametrize("strategy", [dict(dp=2, tp=1, pp=1, microbatch=2), dict(dp=1, tp=2, pp=1, microbatch=4),
+                                      dict(dp=1, tp=1, pp=2, microbatch=2, schedule="1f1b")],
+                         ids=["dp", "tp", "pp"])
+def test_fp16_layouts_train_like_one_fp16_process_and_send_what_was_planned(data, strategy):
+    plan = fp16_plan(strategy, 2)
+    single = fp16_plan({"dp": 1, "tp": 1, "pp": 1, "microbatch": 8}, 1)
+    (reference,), = run_plans(1, [dict(plan=single.to_json(), precision="fp16", data=data)], runner=train)
+    ranks, = run_plans(2, [dict(plan=plan.to_json(), precision="fp16", data=data)], runner=train)
+    state = {}
+    for rank in ranks:
+        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(reference["losses"]), rtol=2e-3, atol=0)
+        assert rank["scale"] == reference["scale"] == 2.0**16 and rank["skipped"] == 0
+        _check_collectives(str(strategy), plan, rank)
+        state.update(rank["state"])
+    for name, value in state.items():
+        torch.testing.assert_close(value, reference["state"][name], rtol=2e-3, atol=2e-3)
+
+
+def test_an_overflow_skips_the_step_on_every_rank_and_halves_the_scale(data):
+    """A scale of 2^40 overflows fp16 at once: the first steps are skipped on both dp ranks alike (the
+    weights untouched) until the halved scale fits."""
+    plan = fp16_plan({"dp": 2, "tp": 1, "pp": 1, "microbatch": 2}, 2)
+    ranks, = run_plans(2, [dict(plan=plan.to_json(), precision="fp16", data=data[:1], initial_scale=2.0**40)],
+                       runner=train)
+    for rank in ranks:
+        assert rank["skipped"] == 1 and rank["steps_taken"] == 0 and rank["scale"] == 2.0**39
+        for name, value in rank["state"].items():
+            assert torch.equal(value, rank["before"][name]), name
