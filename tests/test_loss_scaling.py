@@ -134,3 +134,29 @@ def test_an_overflow_skips_the_step_on_every_rank_and_halves_the_scale(data):
         assert rank["skipped"] == 1 and rank["steps_taken"] == 0 and rank["scale"] == 2.0**39
         for name, value in rank["state"].items():
             assert torch.equal(value, rank["before"][name]), name
+
+
+def resumed_scale(job: dict) -> dict:
+    """Save an fp16 run whose scale has moved, load it into a fresh one: the scale it resumes with."""
+    from autopar.models import build_model
+    from autopar.plan_schema import Plan
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer
+    from autopar.runtime.parallelize import parallelize
+
+    def fresh():
+        spec = build_model("gpt", tiny_config("gpt"))
+        return parallelize(spec.module, Plan.from_json(job["plan"]), loss_fn=spec.loss_fn, seed=0, precision="fp16")
+
+    saved = fresh()
+    saved.loss_scale.scale, saved.loss_scale.finite_in_a_row, saved.loss_scale.skipped_steps = 1024.0, 7, 3
+    Checkpointer(job["directory"]).save(1, saved)
+    loaded = fresh()
+    Checkpointer(job["directory"]).load("latest", loaded)
+    scale = loaded.loss_scale
+    return {"scale": scale.scale, "in_a_row": scale.finite_in_a_row, "skipped": scale.skipped_steps}
+
+
+def test_a_checkpoint_resumes_at_the_scale_it_reached(tmp_path):
+    plan = fp16_plan({"dp": 1, "tp": 1, "pp": 1, "microbatch": 8}, 1)
+    (result,), = run_plans(1, [dict(plan=plan.to_json(), directory=str(tmp_path / "ck"))], runner=resumed_scale)
+    assert result == {"scale": 1024.0, "in_a_row": 7, "skipped": 3}

@@ -125,12 +125,13 @@ class Checkpointer:
             (temporary / "rng").mkdir(exist_ok=True)
             write_durably(temporary / "rng" / f"rank-{self._rank():05d}.json", json.dumps(state_io.rng_state()))
             if self._rank() == 0:
+                scale = getattr(parallel, "loss_scale", None)  # fp16's dynamic loss scale
                 record = {"format": FORMAT_VERSION, "step": step, "world_size": self._world(),
                           "strategy": str(parallel.strategy),
                           "parameters": sorted(set(parallel.canonical.values())),
                           "optimizer": type(optimizer).__name__ if optimizer is not None else None,
                           "param_groups": state_io.param_group_hyperparameters(optimizer) if optimizer else None,
-                          "loss_scale": dataclasses.asdict(scale) if (scale := getattr(parallel, "loss_scale", None)) else None,
+                          "loss_scale": dataclasses.asdict(scale) if scale is not None else None,
                           "extra": extra}
                 write_durably(temporary / STATE_FILE, json.dumps(record))
         except OSError as failure:
@@ -327,9 +328,10 @@ class Checkpointer:
         elif self._rank() == record["world_size"]:  # the first rank the saving world lacked says it once
             print(f"autopar: note: checkpoint {resolved} holds generator states for {record['world_size']} ranks; "
                   f"ranks {record['world_size']}-{self._world() - 1} keep their own", file=sys.stderr)
-        if record.get("loss_scale") and getattr(parallel, "loss_scale", None) is not None:  # fp16 resumes at the scale it reached
+        scale = getattr(parallel, "loss_scale", None)
+        if record.get("loss_scale") and scale is not None:  # fp16 resumes at the scale it reached
             for name, value in record["loss_scale"].items():  # in place: a pipeline's loss reads this object
-                setattr(parallel.loss_scale, name, value)
+                setattr(scale, name, value)
         self.loaded = CheckpointInfo(manifest["step"], resolved)
         return record["extra"]
 
