@@ -224,10 +224,13 @@ class TrainingLoop:
                 shown = "n/a" if mfu is None else f"{mfu:.1%}" + (" (nominal)" if nominal else "")
                 if as_planned is not None:
                     shown += f", as planned {as_planned:.1%}"
-                reporter.say(f"step {step:>6}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  MFU {shown}{memory}")
+                scale = self.parallel.loss_scale  # fp16: where the scale is, and the steps it skipped
+                scaled = f"  loss scale {scale.scale:g} ({scale.skipped_steps} steps skipped)" if scale else ""
+                reporter.say(f"step {step:>6}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  MFU {shown}{memory}{scaled}")
                 reporter.record({"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": mfu,
                                  "mfu_as_planned": as_planned, "mfu_nominal": nominal,
-                                 "peak_memory_bytes": peak_memory, "data": self.data_name})
+                                 "peak_memory_bytes": peak_memory, "data": self.data_name,
+                                 **({"loss_scale": scale.scale, "skipped_steps": scale.skipped_steps} if scale else {})})
             stopping = self.stop_requested(stop, device)
             due = step == config.steps or stopping or (every is not None and step % every == 0)
             if self.checkpointer is not None and due:
