@@ -51,6 +51,8 @@ PLANS = [
      "dp=1,tp=1,pp=1,zero=0,recompute=full,microbatch=8", False),
     ("g13-mb8-none", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", False),
     ("g13-mb8-sel", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=selective,microbatch=8", False),
+    # fp16 under the runtime's dynamic loss scale (twelfth session): priced as bf16 is; not yet measured
+    ("g13-mb8-none-fp16", *GPT13, 8, "fp16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", False),
     ("g13-mb4x2-none", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=4", False),
     ("g13-mb2x4-none", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=2", False),
     ("g13-mb1x8-none", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=1", False),
