@@ -170,11 +170,11 @@ def run_pipeline(pricing: Pricing, prices: StagePrices, stages_units: list[list[
     )
 
 
-def stage_transfer_s(s: Strategy, cluster: ClusterSpec, stages_units: list[list[Unit]], autocast: bool = False
-                     ) -> float:
+def stage_transfer_s(s: Strategy, cluster: ClusterSpec, stages_units: list[list[Unit]],
+                     autocast: bool | None = None) -> float:
     """One point-to-point transfer between pipeline stages: the largest boundary's bytes over the pp link;
-    `autocast`: at autocast's dtypes, as the runtime sends them over fp32 weights (`CutTensor.autocast_bytes`;
-    without it, as traced: the floor `cost_models.bounds` takes, which is never more)."""
+    `autocast`: at autocast's dtypes, as the runtime sends them over fp32 weights (`CutTensor.autocast_bytes`),
+    or as traced; None: the smaller of the two, the floor `cost_models.bounds` takes."""
     if s.pp == 1:
         return 0.0
     pp_layout = group_layout(s.pp, s.dp * s.cp * s.tp, cluster.gpus_per_node)

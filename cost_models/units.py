@@ -25,9 +25,12 @@ class CutTensor(NamedTuple):
     # `bytes` at autocast's dtypes (the residual stream stays fp32 over fp32 weights); None: as traced
     autocast_bytes: float | None = None
 
-    def bytes_for(self, batch: int, autocast: bool = False) -> float:
-        """Bytes for a micro-batch of `batch`; `autocast`: as the runtime sends it under autocast (ZeRO 0)."""
-        size = self.autocast_bytes if autocast and self.autocast_bytes is not None else self.bytes
+    def bytes_for(self, batch: int, autocast: bool | None = False) -> float:
+        """Bytes for a micro-batch of `batch`; `autocast`: as the runtime sends it under autocast (ZeRO 0);
+        None: the smaller of the two (a floor under either)."""
+        size = self.bytes
+        if self.autocast_bytes is not None and autocast is not False:
+            size = self.autocast_bytes if autocast else min(self.bytes, self.autocast_bytes)
         return size * batch if self.per_sample else size
 
 

@@ -48,10 +48,12 @@ def loss_scale_for(precision: str) -> LossScale | None:
     return LossScale() if precision == "fp16" else None
 
 
-def scaled_loss(loss_fn, loss_scale: LossScale):
-    """`loss_fn` whose result is multiplied by the current scale (for pipeline schedules, which call the
-    loss and run backward themselves)."""
+def scaled_loss(loss_fn, owner):
+    """`loss_fn` whose result is multiplied, in fp32, by `owner.loss_scale`'s current scale, read at each
+    call (for pipeline schedules, which call the loss and run backward themselves; None: unscaled)."""
     def scaled(*args, **kwargs):
-        return loss_fn(*args, **kwargs) * loss_scale.scale
+        loss = loss_fn(*args, **kwargs)
+        scale = owner.loss_scale
+        return loss if scale is None else loss.float() * scale.scale
 
     return scaled

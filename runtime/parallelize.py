@@ -114,7 +114,8 @@ class ParallelModel:
         return global_batch[start:start + rows].to(self.layout.device)
 
     def forward_backward(self, local: torch.Tensor) -> torch.Tensor:
-        """Run every micro-batch forward and backward; returns the sum of micro-batch losses (0 off the last stage)."""
+        """Run every micro-batch forward and backward; returns the sum of micro-batch losses (0 off the last stage).
+        Under fp16 the gradients are left multiplied by the loss scale (`clip_grad_norm_` divides them)."""
         s = self.strategy
         loss_context = loss_parallel if self.vocab_parallel_loss else contextlib.nullcontext
         total = torch.zeros((), device=self.layout.device)
@@ -142,7 +143,9 @@ class ParallelModel:
                         loss = self.forward_loss(x)
                     else:
                         loss = self.loss_fn(module(x), x)
-                (loss / s.num_microbatches if self.loss_scale is None else loss * scale / s.num_microbatches).backward()
+                # fp16: scaled in fp32, as GradScaler does (a 16-bit loss times 2^16 would overflow)
+                (loss / s.num_microbatches if self.loss_scale is None else loss.float() * scale / s.num_microbatches
+                 ).backward()
                 total += _local_value(loss.detach())
         return total
 
@@ -169,14 +172,17 @@ class ParallelModel:
                 dist.all_reduce(_local_value(grad), group=group)
 
     def clip_grad_norm_(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None,
-                        loss_scale: float = 1.0) -> torch.Tensor:
+                        loss_scale: float | None = None) -> torch.Tensor:
         """Global gradient norm over every shard and stage (one scalar all-reduce), then clip. On a GPU
         norms and scaling run as foreach kernels over the gradients that count alike (a few launches,
         not four per parameter: a launch-bound step pays for each); on the host, under offload, the
         norm runs by rows over its threads (`autopar.gradient_norm`). With a fused `optimizer` the
         scaling is its next step's instead (`runtime.optimizer.defer_gradient_scale`): one pass over
-        every gradient fewer. `loss_scale`: the gradients are that multiple of the loss's (fp16): the
-        norm returned is theirs divided by it, and the scaling divides them by it too."""
+        every gradient fewer. `loss_scale`: the gradients are that multiple of the loss's (fp16; None:
+        this model's current scale, 1 without one): the norm returned is theirs divided by it, and the
+        scaling divides them by it too."""
+        if loss_scale is None:
+            loss_scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         tied = {name: len(ranks) for name, _, ranks in self.tied_groups}
         groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
         seen: set[int] = set()  # a weight two of this rank's stages share (zbv's embedding and head): once
@@ -236,7 +242,7 @@ class ParallelModel:
         self.sync_gradients()
         try:
             if self.loss_scale is not None:  # fp16: the norm says whether the scaled gradients overflowed
-                norm = self.clip_grad_norm_(max_grad_norm, optimizer, loss_scale=self.loss_scale.scale)
+                norm = self.clip_grad_norm_(max_grad_norm, optimizer)
                 if self.loss_scale.update(norm.item()):
                     optimizer.step()
             else:
@@ -430,7 +436,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         parallel.tied_groups = tied_gradient_groups(model, cut, layout, parallel.named_parameters(), s.schedule)
         parallel.schedule = build_schedule(cut, modules, layout.stage_indices, layout.device,
                                            layout.group("pp"), s.schedule, s.num_microbatches,
-                                           loss_fn if parallel.loss_scale is None else scaled_loss(loss_fn, parallel.loss_scale),
+                                           loss_fn if parallel.loss_scale is None else scaled_loss(loss_fn, parallel),
                                            scale_grads=not buckets, zero=s.zero if replicas > 1 else 0)
     if buckets:  # 10. dp (x cp) sync in buckets, overlapped with the last backward (they average over micro-batches too)
         named = parallel.named_parameters()

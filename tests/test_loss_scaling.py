@@ -52,8 +52,11 @@ def train(job: dict) -> dict:
     from autopar.runtime.parallelize import parallelize
 
     spec = build_model("gpt", tiny_config("gpt"))
-    factor = job.get("loss_factor", 1.0)
-    loss_fn = spec.loss_fn if factor == 1.0 else (lambda out, x: spec.loss_fn(out, x) * factor)
+    factor, half = job.get("loss_factor", 1.0), job.get("half_loss", False)
+
+    def loss_fn(out, x):  # `half`: a user's loss left in 16 bits (the zoo's upcasts its logits)
+        loss = spec.loss_fn(out, x) * factor
+        return loss.half() if half else loss
     parallel = parallelize(spec.module, Plan.from_json(job["plan"]), loss_fn=loss_fn, seed=0,
                            precision=job["precision"])
     if job.get("unscaled"):
@@ -160,3 +163,22 @@ def test_a_checkpoint_resumes_at_the_scale_it_reached(tmp_path):
     plan = fp16_plan({"dp": 1, "tp": 1, "pp": 1, "microbatch": 8}, 1)
     (result,), = run_plans(1, [dict(plan=plan.to_json(), directory=str(tmp_path / "ck"))], runner=resumed_scale)
     assert result == {"scale": 1024.0, "in_a_row": 7, "skipped": 3}
+
+
+@pytest.mark.parametrize("strategy", [dict(dp=2, tp=1, pp=1, zero=2, microbatch=2),
+                                      dict(dp=1, tp=1, pp=2, zero=2, microbatch=2, schedule="1f1b")],
+                         ids=["zero2", "zero2-pp"])
+def test_a_16_bit_loss_is_scaled_in_fp32(data, strategy):
+    """Under ZeRO, FSDP2 computes in fp16 and a user's loss may stay 16-bit: scaled by 2^16 in its own
+    dtype it would overflow (the logged loss inf, `autopar run` stopped at step 1). It is scaled in fp32,
+    as GradScaler does. Without pp the seed reaching the loss is the scale over the micro-batches: no
+    step is skipped. A pipeline's seed is the scale itself, above fp16's largest (65,504), so its first
+    step is skipped and the halved scale fits, as GradScaler's would."""
+    plan = fp16_plan(strategy, 2)
+    half, full = run_plans(2, [dict(plan=plan.to_json(), precision="fp16", data=data, half_loss=True),
+                               dict(plan=plan.to_json(), precision="fp16", data=data)], runner=train)
+    for rank, reference in zip(half, full):
+        assert all(torch.isfinite(torch.tensor(rank["losses"])))
+        assert rank["skipped"] == (1 if strategy["pp"] > 1 else 0) and reference["skipped"] == 0
+        assert rank["steps_taken"] == STEPS - rank["skipped"] and rank["scale"] == 2.0**16 / 2 ** rank["skipped"]
+        torch.testing.assert_close(rank["losses"][0], reference["losses"][0], rtol=1e-3, atol=0)

@@ -161,8 +161,8 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     run.add_argument("--global-batch", type=int, help="samples per optimizer step (default with --plan: the plan's)")
     run.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
-                     help="compute dtype (default bf16 on CUDA, fp32 on CPU; fp16 is refused: it needs loss "
-                          "scaling, which is not built)")
+                     help="compute dtype (default bf16 on CUDA, fp32 on CPU; fp16 trains under a dynamic loss "
+                          "scale)")
     run.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-4)")
     run.add_argument("--seed", type=int, help="seed of the initial weights and the data order (default 0)")
     run.add_argument("--data", metavar="DIR",
