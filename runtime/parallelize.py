@@ -430,6 +430,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         parallel.forward_loss = compile_forward_loss(modules[0], loss_fn)
     parallel.optimizations = {**applied_optimizations(model, s, compile), "GEMM padding": padding,
                               "allocator": allocator}
+    if parallel.loss_scale is not None:
+        parallel.optimizations["loss scaling"] = f"dynamic, from {parallel.loss_scale.scale:,.0f} (fp16)"
     replicas = layout.gradient_mesh().size()  # dp, or dp x cp: the ranks holding the same weights
     buckets = s.zero == 0 and replicas > 1
     if cut is not None:  # 9. the pipeline schedule over this rank's stages

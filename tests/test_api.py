@@ -97,6 +97,7 @@ def test_parallelize_trains_fp16_with_a_loss_scale(one_process_group):
                           cluster=autopar.load_cluster("dgx-h100", gpus=1), precision="fp16", use_ilp=False)
     parallel = autopar.parallelize(spec.module, result.plan, loss_fn=spec.loss_fn, precision="fp16")
     assert parallel.loss_scale is not None and parallel.loss_scale.scale == 2.0**16
+    assert parallel.optimizations["loss scaling"] == "dynamic, from 65,536 (fp16)"  # `autopar run` prints it
     bf16 = autopar.parallelize(spec.module, result.plan, loss_fn=spec.loss_fn, precision="bf16")
     assert bf16.loss_scale is None
 
