@@ -58,10 +58,12 @@ class _Alive:
     Saved-tensor hooks see nothing a block's own hooks take (`sp_inputs=regathered` swaps its gathered
     input for the shard there), so this counts what stays allocated instead: every op's outputs
     (DTensors by their local tensors) are watched by their storage, and when backward's first op runs,
-    the bytes still alive are summed per layer."""
+    the bytes still alive are summed per layer. Autocast's 16-bit copies of the weights are left out:
+    the model prices them with the weights (`cost_models.memory`), not with a layer's activations."""
 
     def __init__(self, running: list[str], parameters: set[int]) -> None:
         self.running, self.parameters, self.watched, self.alive = running, parameters, {}, None
+        self.weight_copies: set[int] = set()  # storages of autocast's weight copies (and their views)
 
     def mode(self):
         import weakref
@@ -81,11 +83,18 @@ class _Alive:
                         if ref() is not None:
                             tracker.alive[layer] = tracker.alive.get(layer, 0) + size
                 out = func(*args, **(kwargs or {}))
+                weight_copy = func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and (
+                    (args[0]._local_tensor if isinstance(args[0], DTensor) else args[0]).untyped_storage()._cdata
+                    in tracker.parameters)
                 if not backward:
                     for leaf in tree_leaves(out):
                         if isinstance(leaf, torch.Tensor):
                             local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
                             held = local.untyped_storage()
+                            if weight_copy:
+                                tracker.weight_copies.add(held._cdata)
+                            if held._cdata in tracker.weight_copies:
+                                continue
                             known = tracker.watched.get(held._cdata)
                             # a storage freed in forward may leave its address to a new one
                             if (known is None or known[0]() is None) and held._cdata not in tracker.parameters:
@@ -96,7 +105,8 @@ class _Alive:
 
 
 def alive_per_layer(job: dict) -> dict[str, int]:
-    """This rank's bytes made in each layer's forward and still allocated when backward starts."""
+    """This rank's bytes made in each layer's forward and still allocated when backward starts (`job`'s
+    precision: fp32 unless it says)."""
     from torch.distributed.tensor import DTensor
 
     from autopar.models import build_model
@@ -104,7 +114,8 @@ def alive_per_layer(job: dict) -> dict[str, int]:
     from autopar.runtime.parallelize import parallelize
 
     spec = build_model("gpt", job["overrides"])
-    parallel = parallelize(spec.module, Plan.from_json(job["plan"]), loss_fn=spec.loss_fn, seed=0)
+    parallel = parallelize(spec.module, Plan.from_json(job["plan"]), loss_fn=spec.loss_fn, seed=0,
+                           precision=job.get("precision", "fp32"))
     module = parallel.modules[0]
     running = ["other"]
     for name, child in module.named_modules():
@@ -271,3 +282,45 @@ def test_kept_shards_refuse_what_was_changed_in_place():
     for gathered, kept in zip(after_gathered, after_kept):
         assert "grad" in gathered
         assert "modified by an inplace operation" in kept["error"]
+
+
+def _bf16_plan(strategy: dict, world: int):
+    import autopar
+    from autopar.models import build_model
+
+    spec = build_model("gpt", CONFIG)
+    config = spec.config
+    result = autopar.plan(spec.module, spec.example_inputs(1), cluster=autopar.load_cluster("dgx-h100", gpus=world),
+                          global_batch=MICROBATCH, strategy={**strategy, "zero": 0, "recompute": "none",
+                                                             "microbatch": MICROBATCH},
+                          loss_fn=spec.loss_fn, precision="bf16", name="gpt", seq_len=config.seq_len, heads=config.heads,
+                          kv_heads=config.num_kv_heads, vocab=config.padded_vocab, use_ilp=False)
+    return result.plan
+
+
+def test_under_autocast_a_layer_keeps_at_most_what_the_model_counts():
+    """bf16 autocast (on the CPU), weights' copies left out: one rank keeps what the model counts, and
+    under tp at most that. The model prices a cast of a block's input per projection, where the
+    runtime casts it once (`_BlockInput`): over by up to a fifth here, never under."""
+    from autopar.cost_models.facts import model_facts
+    from autopar.cost_models.stage_costs import unit_kept_bytes
+    from autopar.graph import trace
+    from autopar.models import build_model
+
+    spec = build_model("gpt", CONFIG)
+    facts = model_facts(trace(spec.module, spec.example_inputs(MICROBATCH), loss_fn=spec.loss_fn, precision="bf16"))
+    layers = [facts.units[i] for i in facts.layer_units]
+    single = _bf16_plan({"dp": 1, "tp": 1, "pp": 1}, 1)
+    (alone,), = run_plans(1, [dict(plan=single.to_json(), overrides=CONFIG, precision="bf16")], runner=alive_per_layer)
+    for layer in layers:
+        assert alone[layer.name] == pytest.approx(unit_kept_bytes(layer, single.strategy, "none", autocast=True)[0],
+                                                  rel=0.01), layer.name
+    plans = [_bf16_plan({"dp": 1, "tp": 2, "pp": 1, "sp": sp, **({"sp_inputs": inputs} if sp else {})}, 2)
+             for sp, inputs in ((False, None), (True, "gathered"), (True, "regathered"))]
+    results = run_plans(2, [dict(plan=plan.to_json(), overrides=CONFIG, precision="bf16") for plan in plans],
+                        runner=alive_per_layer)
+    for plan, ranks in zip(plans, results):
+        for kept in ranks:
+            for layer in layers:
+                counted = unit_kept_bytes(layer, plan.strategy, "none", autocast=True)[0]
+                assert kept[layer.name] <= counted <= 1.2 * kept[layer.name], (plan.strategy.sp_inputs, layer.name)
