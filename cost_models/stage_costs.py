@@ -251,6 +251,8 @@ def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
     total = 0.0
     for op in unit.forward_ops:
         saved = op.autocast_saved_bytes if counted and op.autocast_saved_bytes is not None else op.saved_bytes
+        if counted and sp and tp > 1 and op.gathered_readers > 1 and op.autocast_gathered_bytes:
+            saved -= (op.gathered_readers - 1) * op.autocast_gathered_bytes  # the block casts its input once
         whole = _gathered_part(op, saved, counted) if gathers else 0.0
         if recompute != "none" and op.kind == "vector":
             total += whole * batch  # the gather's output: selective recompute saves it

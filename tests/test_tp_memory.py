@@ -299,9 +299,10 @@ def _bf16_plan(strategy: dict, world: int):
 
 
 def test_under_autocast_a_layer_keeps_at_most_what_the_model_counts():
-    """bf16 autocast (on the CPU), weights' copies left out: one rank keeps what the model counts, and
-    under tp at most that. The model prices a cast of a block's input per projection, where the
-    runtime casts it once (`_BlockInput`): over by up to a fifth here, never under."""
+    """bf16 autocast (on the CPU), weights' copies left out: one rank keeps what the model counts alone
+    and under sequence parallelism, gathered or regathered (a block casts its input once for all its
+    projections: `OpFacts.gathered_readers`). Without sp the model prices a cast per projection, since
+    the DTensor realization casts so; the module rules cast once: over by up to a fifth, never under."""
     from autopar.cost_models.facts import model_facts
     from autopar.cost_models.stage_costs import unit_kept_bytes
     from autopar.graph import trace
@@ -323,4 +324,7 @@ def test_under_autocast_a_layer_keeps_at_most_what_the_model_counts():
         for kept in ranks:
             for layer in layers:
                 counted = unit_kept_bytes(layer, plan.strategy, "none", autocast=True)[0]
-                assert kept[layer.name] <= counted <= 1.2 * kept[layer.name], (plan.strategy.sp_inputs, layer.name)
+                if plan.strategy.sp:
+                    assert counted == pytest.approx(kept[layer.name], rel=0.01), (plan.strategy.sp_inputs, layer.name)
+                else:
+                    assert kept[layer.name] <= counted <= 1.2 * kept[layer.name], layer.name
