@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from autopar.errors import AutoparError
 
@@ -48,7 +49,7 @@ def compile_blocks(module: nn.Module, block_paths: list[str], *, backend: str = 
             continue
         if getattr(block.forward, "_autopar_compiled", False):
             raise AutoparError(f"block {path} is already compiled: parallelize a fresh model")
-        compiled = torch.compile(block.forward, backend=backend)
+        compiled = _settled_inputs(torch.compile(block.forward, backend=backend))
         compiled._autopar_compiled = True
         block.forward = compiled
         done.append(path)
@@ -57,3 +58,33 @@ def compile_blocks(module: nn.Module, block_paths: list[str], *, backend: str = 
         key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # the newer name
         setattr(config, key, max(getattr(config, key), _MIN_CACHE_ENTRIES, 2 * len(done)))
     return done
+
+
+class _Settle(torch.autograd.Function):
+    """Wait for an async collective's result and hand on the plain tensor; the gradient passes as it is."""
+
+    @staticmethod
+    def forward(ctx, x: AsyncCollectiveTensor) -> torch.Tensor:
+        return x.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _settle(value):
+    return _Settle.apply(value) if isinstance(value, AsyncCollectiveTensor) else value
+
+
+def _settled_inputs(compiled):
+    """`compiled` called with every async collective result among its arguments waited for first.
+
+    A row-parallel output handed on as a local tensor (tp without sp: the embedding's, a block's) is an
+    AsyncCollectiveTensor. Entering a compiled graph as such, its gradient came back as a plain tensor
+    where the collective's backward expects a DTensor, and backward failed (torch 2.13; a Llama block
+    reads the embedding's output directly, where a GPT block reads its sum with the positions).
+    """
+    def forward(*args, **kwargs):
+        return compiled(*map(_settle, args), **{key: _settle(value) for key, value in kwargs.items()})
+
+    return forward

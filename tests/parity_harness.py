@@ -7,7 +7,6 @@ every plan in turn on the same process group and writes its losses and gathered 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import socket
 import tempfile
@@ -77,19 +76,21 @@ def train_reference(module, loss_fn, data: list[torch.Tensor]) -> tuple[list[flo
     return losses, {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def train_parallel(module, loss_fn, plan, data: list[torch.Tensor]) -> dict:
+def train_parallel(module, loss_fn, plan, data: list[torch.Tensor], compile: bool | None = None) -> dict:
     """`run_job` for any module: parallelize, train, count the last step's collectives, gather weights."""
     from autopar.runtime.collectives import CollectiveCounter, group_axes
     from autopar.runtime.parallelize import parallelize
 
-    parallel = parallelize(module, plan, loss_fn=loss_fn, seed=SEED)
+    if compile:
+        torch._dynamo.reset()  # a graph cached by an earlier job would be reused silently
+    parallel = parallelize(module, plan, loss_fn=loss_fn, seed=SEED, compile=compile)
     optimizer = make_optimizer(parallel.parameters())
     placements = parallel.executed_placements()
     losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in data[:-1]]
     with CollectiveCounter(group_axes(parallel)) as counter:
         losses.append(parallel.train_step(data[-1], optimizer, max_grad_norm=MAX_GRAD_NORM))
     result = {"losses": losses, "placements": placements, "pp_rank": parallel.layout.pp_rank,
-              "collectives": counter.counts.as_rows()}
+              "collectives": counter.counts.as_rows(), "compile": parallel.optimizations["compile"]}
     state = parallel.full_state_dict()
     if parallel.layout.dp_rank == 0 and parallel.layout.tp_rank == 0:
         result["state"] = state
@@ -147,7 +148,7 @@ def run_job(job: dict) -> dict | None:
     with CollectiveCounter(group_axes(parallel)) as counter:  # the last step: what a step sends
         losses.append(parallel.train_step(job["data"][-1], optimizer, max_grad_norm=MAX_GRAD_NORM))
     result = {"losses": losses, "placements": placements, "pp_rank": parallel.layout.pp_rank,
-              "collectives": counter.counts.as_rows()}
+              "collectives": counter.counts.as_rows(), "compile": parallel.optimizations["compile"]}
     state = parallel.full_state_dict()  # a collective over the stage mesh: every rank takes part
     if parallel.layout.dp_rank == 0 and parallel.layout.tp_rank == 0:
         result["state"] = state

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,18 +106,26 @@ def test_batch_expanded_queries_cross_the_cut_per_sample():
 def run_job(job: dict) -> dict:
     from autopar.plan_schema import Plan
 
-    return train_parallel(build(), loss_fn, Plan.from_json(job["plan"]), job["data"])
+    return train_parallel(build(), loss_fn, Plan.from_json(job["plan"]), job["data"], compile=job["compile"])
 
 
-def test_parity_and_ledger_with_frozen_unread_and_batch_expanded_tensors():
+STRATEGIES = [dict(dp=2, tp=1, pp=1, zero=0, microbatch=2), dict(dp=2, tp=1, pp=1, zero=3, microbatch=2),
+              dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2)]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_parity_and_ledger_with_frozen_unread_and_batch_expanded_tensors(compile):
+    """Also compiled, as a user's own model: the whole stage with its loss under dp, each block under
+    ZeRO 3 and in pipeline stages."""
     from test_runtime_parity import _check
 
-    strategies = [dict(dp=2, tp=1, pp=1, zero=0, microbatch=2), dict(dp=2, tp=1, pp=1, zero=3, microbatch=2),
-                  dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2)]
     generator = torch.Generator().manual_seed(SEED + 1)
     data = [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator) for _ in range(STEPS)]
-    plans = [_plan(strategy) for strategy in strategies]
-    results = run_plans(2, [dict(plan=plan.to_json(), data=data) for plan in plans], runner=run_job)
+    plans = [_plan(strategy) for strategy in STRATEGIES]
+    results = run_plans(2, [dict(plan=plan.to_json(), data=data, compile=compile) for plan in plans], runner=run_job)
     losses, state = train_reference(copy.deepcopy(build()), loss_fn, data)
-    for plan, ranks, strategy in zip(plans, results, strategies):
+    for plan, ranks, strategy in zip(plans, results, STRATEGIES):
         _check(strategy, plan, ranks, losses, state)
+    ways = [ranks[0]["compile"] for ranks in results]
+    assert ways[0] == ("whole stage with its loss" if compile else "off"), ways
+    assert all(way.startswith("per block") if compile else way == "off" for way in ways[1:]), ways

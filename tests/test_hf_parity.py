@@ -66,20 +66,23 @@ def run_hf_job(job: dict) -> dict:
     """In each process: the user's model, constructed as on one process, parallelized by the plan."""
     from autopar.plan_schema import Plan
 
-    return train_parallel(hf_model(job["family"]), hf_loss, Plan.from_json(job["plan"]), job["data"])
+    return train_parallel(hf_model(job["family"]), hf_loss, Plan.from_json(job["plan"]), job["data"],
+                          compile=job.get("compile"))
 
 
-def _parity(family: str, strategies: list[dict], world: int, extra_plans: list = ()) -> None:
+def _parity(family: str, strategies: list[dict], world: int, extra_plans: list = (),
+            compile: bool | None = None) -> list[list[dict]]:
     """Every strategy's plan (plus `extra_plans`, each with its strategy) trains like one process."""
     from test_runtime_parity import _check
 
     data = batches(VOCAB, GLOBAL_BATCH, SEQ, STEPS)
     cases = [(strategy, hf_plan(family, strategy, world)) for strategy in strategies] + list(extra_plans)
-    jobs = [dict(plan=plan.to_json(), family=family, data=data) for _, plan in cases]
+    jobs = [dict(plan=plan.to_json(), family=family, data=data, compile=compile) for _, plan in cases]
     results = run_plans(world, jobs, runner=run_hf_job)
     losses, state = train_reference(copy.deepcopy(hf_model(family)), hf_loss, data)
     for (strategy, plan), ranks in zip(cases, results):
         _check(strategy, plan, ranks, losses, state)
+    return results
 
 
 def _searched(family: str, world: int, fixed: dict | None = None):
@@ -115,6 +118,21 @@ GPT2_WORLD2 = [
 def test_hf_gpt2_world2_plan_kinds():
     """GPT-2 (Conv1D projections, tied head) under dp, ZeRO and recompute, and the default search's choice."""
     _parity("gpt2", GPT2_WORLD2, world=2, extra_plans=[_searched("gpt2", 2)])
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_hf_models_compiled_train_like_one_process_with_their_ledgers(family):
+    """`compile=True` on a model as Hugging Face builds it: the whole stage with its loss under dp at
+    ZeRO 0, each block under ZeRO 3 with recompute (FSDP2's hooks outside the graphs) and, for Llama,
+    under the module rules' tp. The compiled code's collectives are the plan's."""
+    strategies = [dict(dp=2, tp=1, pp=1, zero=0, microbatch=2),
+                  dict(dp=2, tp=1, pp=1, zero=3, microbatch=2, recompute="full")]
+    if family == "llama":
+        strategies.append(dict(dp=1, tp=2, pp=1, zero=0, microbatch=4))
+    results = _parity(family, strategies, world=2, compile=True)
+    ways = [ranks[0]["compile"] for ranks in results]
+    assert ways[0] == "whole stage with its loss", ways
+    assert all(way.startswith("per block") for way in ways[1:]), ways
 
 
 LLAMA_WORLD4 = [

@@ -75,16 +75,16 @@ def _check(label: str, ranks: list[dict], reference_losses: list[float], referen
                                    msg=lambda m: f"{label} weight {name}: {m}")
 
 
-def _run(strategies: list[dict], world: int) -> None:
-    overrides = tiny_config()
+def _run(strategies: list[dict], world: int, model: str = "gpt") -> None:
+    overrides = tiny_config(model)
     data = batches(overrides["vocab"], GLOBAL_BATCH, SEQ, STEPS)
-    plans = [make_plan("gpt", overrides, strategy, world, GLOBAL_BATCH) for strategy in strategies]
-    jobs = [dict(plan=plan.to_json(), model="gpt", overrides=overrides, data=data) for plan in plans]
+    plans = [make_plan(model, overrides, strategy, world, GLOBAL_BATCH) for strategy in strategies]
+    jobs = [dict(plan=plan.to_json(), model=model, overrides=overrides, data=data) for plan in plans]
     if world == 1:
         results = [[_in_process(job)] for job in jobs]
     else:
         results = run_plans(world, jobs, runner=_compiled_job)
-    reference_losses, reference_state = reference_run("gpt", overrides, data)
+    reference_losses, reference_state = reference_run(model, overrides, data)
     for strategy, ranks in zip(strategies, results):
         label = ",".join(f"{k}={v}" for k, v in strategy.items())
         whole = whole_stage_problem(plans[0].strategy.model_copy(update=strategy)) is None
@@ -110,6 +110,22 @@ def _clean_env(monkeypatch):
 
 def test_one_process_compiles_the_whole_stage_with_its_loss_and_trains_like_eager(_clean_env):
     _run([dict(dp=1, tp=1, pp=1, microbatch=8), dict(dp=1, tp=1, pp=1, microbatch=4, recompute="full")], world=1)
+
+
+def test_llama_compiles_whole_and_per_block_and_trains_like_eager(_clean_env):
+    """Rotary embeddings, grouped-query attention, RMSNorm and SwiGLU: the whole stage at one process,
+    and each block under selective recompute (the policy's dispatch mode stays outside the graph)."""
+    _run([dict(dp=1, tp=1, pp=1, microbatch=8), dict(dp=1, tp=1, pp=1, microbatch=4, recompute="selective")],
+         world=1, model="llama")
+
+
+@pytest.mark.slow
+def test_two_processes_llama_zero_and_tensor_parallel_compiled():
+    """Without sp a Llama block reads the embedding's row-parallel output as it is, an async collective's
+    result, which broke the compiled block's backward until `compile._settled_inputs` waited for it."""
+    _run([dict(dp=2, tp=1, pp=1, zero=3, microbatch=2, recompute="full"),
+          dict(dp=1, tp=2, pp=1, zero=0, microbatch=4),
+          dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4)], world=2, model="llama")
 
 
 @pytest.mark.slow
