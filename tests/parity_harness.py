@@ -34,7 +34,8 @@ def tiny_config(family: str = "gpt", **extra) -> dict:
     return config
 
 
-def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_batch: int, use_ilp: bool = False):
+def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_batch: int, use_ilp: bool = False,
+              precision: str = "fp32"):
     """The searcher's plan with every key of `strategy` fixed, for `world` processes."""
     from autopar.models import build_model
 
@@ -42,16 +43,16 @@ def make_plan(model: str, overrides: dict, strategy: dict, world: int, global_ba
     config = spec.config
     return plan_for(spec.module, spec.example_inputs(1), spec.loss_fn, name=model, seq_len=config.seq_len,
                     heads=config.heads, kv_heads=config.num_kv_heads, vocab=config.padded_vocab, strategy=strategy,
-                    world=world, global_batch=global_batch, use_ilp=use_ilp)
+                    world=world, global_batch=global_batch, use_ilp=use_ilp, precision=precision)
 
 
 def plan_for(module, example_inputs, loss_fn, *, name: str, seq_len: int, heads: int, kv_heads: int, vocab: int,
-             strategy: dict, world: int, global_batch: int, use_ilp: bool = False):
+             strategy: dict, world: int, global_batch: int, use_ilp: bool = False, precision: str = "fp32"):
     """`make_plan` for any module (not only the zoo's): `autopar.plan`, the path a user's own model takes."""
     import autopar
 
     result = autopar.plan(module, example_inputs, cluster=autopar.load_cluster("dgx-h100", gpus=world),
-                          global_batch=global_batch, strategy=strategy, loss_fn=loss_fn, precision="fp32", name=name,
+                          global_batch=global_batch, strategy=strategy, loss_fn=loss_fn, precision=precision, name=name,
                           seq_len=seq_len, heads=heads, kv_heads=kv_heads, vocab=vocab, use_ilp=use_ilp)
     for key, value in strategy.items():
         assert getattr(result.chosen.strategy, key) == value, (key, result.chosen.strategy)

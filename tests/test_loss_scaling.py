@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity_harness import MAX_GRAD_NORM, batches, run_plans, tiny_config
+from parity_harness import MAX_GRAD_NORM, batches, make_plan, run_plans, tiny_config
 from test_runtime_parity import _check_collectives
 
 STEPS = 3
@@ -18,16 +18,7 @@ TINY_LOSS = 2.0**-16  # a loss this small leaves fp16 activation gradients below
 
 
 def fp16_plan(strategy: dict, world: int):
-    import autopar
-    from autopar.models import build_model
-
-    spec = build_model("gpt", tiny_config("gpt"))
-    config = spec.config
-    result = autopar.plan(spec.module, spec.example_inputs(1), cluster=autopar.load_cluster("dgx-h100", gpus=world),
-                          global_batch=GLOBAL_BATCH, strategy=strategy, loss_fn=spec.loss_fn, precision="fp16",
-                          name="gpt", seq_len=config.seq_len, heads=config.heads, kv_heads=config.num_kv_heads,
-                          vocab=config.padded_vocab, use_ilp=False)
-    return result.plan
+    return make_plan("gpt", tiny_config("gpt"), strategy, world, GLOBAL_BATCH, precision="fp16")
 
 
 class _Recorder(torch.optim.SGD):

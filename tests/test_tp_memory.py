@@ -285,17 +285,8 @@ def test_kept_shards_refuse_what_was_changed_in_place():
 
 
 def _bf16_plan(strategy: dict, world: int):
-    import autopar
-    from autopar.models import build_model
-
-    spec = build_model("gpt", CONFIG)
-    config = spec.config
-    result = autopar.plan(spec.module, spec.example_inputs(1), cluster=autopar.load_cluster("dgx-h100", gpus=world),
-                          global_batch=MICROBATCH, strategy={**strategy, "zero": 0, "recompute": "none",
-                                                             "microbatch": MICROBATCH},
-                          loss_fn=spec.loss_fn, precision="bf16", name="gpt", seq_len=config.seq_len, heads=config.heads,
-                          kv_heads=config.num_kv_heads, vocab=config.padded_vocab, use_ilp=False)
-    return result.plan
+    return make_plan("gpt", CONFIG, {**strategy, "zero": 0, "recompute": "none", "microbatch": MICROBATCH}, world,
+                     MICROBATCH, precision="bf16")
 
 
 def test_under_autocast_a_layer_keeps_at_most_what_the_model_counts():
