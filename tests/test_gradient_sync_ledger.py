@@ -111,6 +111,11 @@ def run_job(job: dict) -> dict:
 
 STRATEGIES = [dict(dp=2, tp=1, pp=1, zero=0, microbatch=2), dict(dp=2, tp=1, pp=1, zero=3, microbatch=2),
               dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2)]
+# ZeRO 1 and 2, optimizer offload and recompute on a user's own model (eager)
+MORE = [dict(dp=2, tp=1, pp=1, zero=1, microbatch=2), dict(dp=2, tp=1, pp=1, zero=2, microbatch=2),
+        dict(dp=2, tp=1, pp=1, zero=3, microbatch=2, offload="optimizer"),
+        dict(dp=2, tp=1, pp=1, zero=0, microbatch=2, recompute="full"),
+        dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2, recompute="full", recompute_layers=(1, 1))]
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -121,10 +126,11 @@ def test_parity_and_ledger_with_frozen_unread_and_batch_expanded_tensors(compile
 
     generator = torch.Generator().manual_seed(SEED + 1)
     data = [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator) for _ in range(STEPS)]
-    plans = [_plan(strategy) for strategy in STRATEGIES]
+    strategies = STRATEGIES if compile else STRATEGIES + MORE
+    plans = [_plan(strategy) for strategy in strategies]
     results = run_plans(2, [dict(plan=plan.to_json(), data=data, compile=compile) for plan in plans], runner=run_job)
     losses, state = train_reference(copy.deepcopy(build()), loss_fn, data)
-    for plan, ranks, strategy in zip(plans, results, STRATEGIES):
+    for plan, ranks, strategy in zip(plans, results, strategies):
         _check(strategy, plan, ranks, losses, state)
     ways = [ranks[0]["compile"] for ranks in results]
     assert ways[0] == ("whole stage with its loss" if compile else "off"), ways

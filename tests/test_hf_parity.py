@@ -99,11 +99,14 @@ LLAMA_WORLD2 = [
     dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4),
     dict(dp=2, tp=1, pp=1, zero=2, microbatch=2, recompute="full"),
     dict(dp=1, tp=2, pp=1, zero=0, microbatch=4, recompute="selective"),
+    dict(dp=2, tp=1, pp=1, zero=0, microbatch=2, recompute="full", recompute_layers=(1,)),
+    dict(dp=2, tp=1, pp=1, zero=3, microbatch=2, offload="optimizer"),
 ]
 
 
 def test_hf_llama_world2_plan_kinds():
-    """dp, ZeRO (FSDP2), tp and tp+sp, recompute, the ILP's tp placements, and the default search's choice."""
+    """dp, ZeRO (FSDP2), tp and tp+sp, recompute (one layer of two, too), optimizer offload, the ILP's
+    tp placements, and the default search's choice."""
     _parity("llama", LLAMA_WORLD2, world=2,
             extra_plans=[_searched("llama", 2, dict(tp=2, microbatch=4)), _searched("llama", 2)])
 
