@@ -53,7 +53,21 @@ def defer_gradient_scale(optimizer: torch.optim.Optimizer | None, scale: torch.T
     return True
 
 
+def hand_found_inf(optimizer: torch.optim.Optimizer | None, found_inf: torch.Tensor) -> bool:
+    """Give `optimizer`'s next step the overflow flag (fp16), where it took a deferred scale (the fused
+    AdamW: it then leaves every parameter and moment as it is, and its step count too, when the flag
+    is 1); False where the caller must decide on the host whether to step."""
+    scale = getattr(optimizer, "grad_scale", None)
+    if scale is None:
+        return False
+    optimizer.found_inf = found_inf.to(scale.device)  # a host copy under offload, as the scale's
+    return True
+
+
 def clear_gradient_scale(optimizer: torch.optim.Optimizer) -> None:
-    """Forget a deferred scale once the step has used it (a later step without clipping must not reuse it)."""
+    """Forget a deferred scale and overflow flag once the step has used them (a later step without
+    clipping must not reuse them)."""
     if getattr(optimizer, "grad_scale", None) is not None:
         optimizer.grad_scale = None
+    if getattr(optimizer, "found_inf", None) is not None:
+        optimizer.found_inf = None

@@ -40,10 +40,10 @@ from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel
 from autopar.runtime.gemm_padding import apply_gemm_padding
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
-from autopar.runtime.optimizer import build_optimizer, clear_gradient_scale, defer_gradient_scale
+from autopar.runtime.optimizer import build_optimizer, clear_gradient_scale, defer_gradient_scale, hand_found_inf
 from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
                                                retie_across_stages, tied_gradient_groups)
-from autopar.runtime.loss_scaling import LossScale, loss_scale_for, scaled_loss
+from autopar.runtime.loss_scaling import LossScale, loss_scale_for, overflowed, scaled_loss
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
@@ -120,7 +120,7 @@ class ParallelModel:
         loss_context = loss_parallel if self.vocab_parallel_loss else contextlib.nullcontext
         total = torch.zeros((), device=self.layout.device)
         fsdp = s.zero >= 1
-        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        scale = self.loss_scale.factor if self.loss_scale is not None else 1.0  # on the device: no host read
         with loss_context(), self.step_context():
             if self.schedule is not None:
                 losses: list[torch.Tensor] = []
@@ -172,7 +172,7 @@ class ParallelModel:
                 dist.all_reduce(_local_value(grad), group=group)
 
     def clip_grad_norm_(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None,
-                        loss_scale: float | None = None) -> torch.Tensor:
+                        loss_scale: float | torch.Tensor | None = None) -> torch.Tensor:
         """Global gradient norm over every shard and stage (one scalar all-reduce), then clip. On a GPU
         norms and scaling run as foreach kernels over the gradients that count alike (a few launches,
         not four per parameter: a launch-bound step pays for each); on the host, under offload, the
@@ -180,9 +180,10 @@ class ParallelModel:
         scaling is its next step's instead (`runtime.optimizer.defer_gradient_scale`): one pass over
         every gradient fewer. `loss_scale`: the gradients are that multiple of the loss's (fp16; None:
         this model's current scale, 1 without one): the norm returned is theirs divided by it, and the
-        scaling divides them by it too."""
+        scaling divides them by it too. Nothing here waits for the device."""
         if loss_scale is None:
-            loss_scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+            loss_scale = self.loss_scale.factor if self.loss_scale is not None else 1.0
+        unscaled = not isinstance(loss_scale, torch.Tensor) and loss_scale == 1.0
         tied = {name: len(ranks) for name, _, ranks in self.tied_groups}
         groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
         seen: set[int] = set()  # a weight two of this rank's stages share (zbv's embedding and head): once
@@ -208,11 +209,11 @@ class ParallelModel:
         for (copies, _, _), locals_ in groups.items():  # on the host under offload: `autopar.gradient_norm`
             squares += squares_sum(locals_).to(squares.device) / copies
         dist.all_reduce(squares)
-        norm = squares.sqrt() if loss_scale == 1.0 else squares.sqrt() / loss_scale
-        if max_norm > 0 or loss_scale != 1.0:
+        norm = squares.sqrt() if unscaled else squares.sqrt() / loss_scale
+        if max_norm > 0 or not unscaled:
             # not finite (an overflow under a loss scale): any scaling, the step is skipped
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-            if loss_scale != 1.0:
+            if not unscaled:
                 scale = scale / loss_scale
             devices = {device for _, device, _ in groups}
             if not defer_gradient_scale(optimizer, scale, devices):
@@ -242,9 +243,10 @@ class ParallelModel:
         self.sync_gradients()
         try:
             if self.loss_scale is not None:  # fp16: the norm says whether the scaled gradients overflowed
-                norm = self.clip_grad_norm_(max_grad_norm, optimizer)
-                if self.loss_scale.update(norm.item()):
+                found_inf = overflowed(self.clip_grad_norm_(max_grad_norm, optimizer))
+                if hand_found_inf(optimizer, found_inf) or not found_inf.item():  # the fused step skips itself
                     optimizer.step()
+                self.loss_scale.update(found_inf)
             else:
                 if max_grad_norm > 0:
                     self.clip_grad_norm_(max_grad_norm, optimizer)
@@ -425,7 +427,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     parallel.canonical = dict(source.alias)
     parallel.expert_groups, parallel.expert_params = groups, frozenset(expert_names)
     parallel.context = context
-    parallel.loss_scale = loss_scale_for(precision)
+    parallel.loss_scale = loss_scale_for(precision, parallel.layout.device)
     if compile and whole_stage_problem(s) is None:  # 8b. the whole stage and its loss as one graph
         parallel.forward_loss = compile_forward_loss(modules[0], loss_fn)
     parallel.optimizations = {**applied_optimizations(model, s, compile), "GEMM padding": padding,

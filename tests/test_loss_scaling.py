@@ -6,6 +6,9 @@ halves the scale. Every layout trains like one fp16 process, and sends what its 
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import pytest
 import torch
 
@@ -54,19 +57,45 @@ def train(job: dict) -> dict:
         parallel.loss_scale = None
     if job.get("initial_scale") is not None:
         parallel.loss_scale.scale = job["initial_scale"]
-    optimizer = _Recorder(parallel.parameters())
+    fused = job.get("optimizer") == "fused"  # torch's fused AdamW, as the runtime builds on a GPU
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=1e-3, fused=True) if fused else \
+        _Recorder(parallel.parameters())
     before = {name: p.detach().clone() for name, p in parallel.full_state_dict().items()}
     data = job["data"]
-    losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in data[:-1]]
-    with CollectiveCounter(group_axes(parallel)) as counter:
-        losses.append(parallel.train_step(data[-1], optimizer, max_grad_norm=MAX_GRAD_NORM))
+    with _counted_flag_reads() as host_reads:
+        losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in data[:-1]]
+        with CollectiveCounter(group_axes(parallel)) as counter:
+            losses.append(parallel.train_step(data[-1], optimizer, max_grad_norm=MAX_GRAD_NORM))
     named = {id(p): name for name, p in parallel.named_parameters().items()}
-    first = {named[key]: grad for key, grad in optimizer.seen[0].items()} if optimizer.seen else {}
+    seen = [] if fused else optimizer.seen
+    first = {named[key]: grad for key, grad in seen[0].items()} if seen else {}
+    steps = max((int(state["step"]) for state in optimizer.state.values()), default=0) if fused else len(seen)
     scale = parallel.loss_scale
     return {"losses": losses, "state": parallel.full_state_dict(), "before": before, "pp_rank": parallel.layout.pp_rank,
-            "collectives": counter.counts.as_rows(), "steps_taken": len(optimizer.seen),
+            "collectives": counter.counts.as_rows(), "steps_taken": steps, "flag_reads": host_reads[0],
             "scale": scale.scale if scale else None, "skipped": scale.skipped_steps if scale else None,
             "first_grads": {name: grad for name, grad in first.items() if name == "pos_embed.weight"}}
+
+
+@contextlib.contextmanager
+def _counted_flag_reads():
+    """Count the host's reads of each step's overflow flag (`found_inf.item()`), a synchronization."""
+    runtime = sys.modules["autopar.runtime.parallelize"]
+    reads, original = [0], runtime.overflowed
+
+    def flagged(norm):
+        flag = original(norm)
+
+        def item():
+            reads[0] += 1
+            return torch.Tensor.item(flag)
+        flag.item = item
+        return flag
+    runtime.overflowed = flagged
+    try:
+        yield reads
+    finally:
+        runtime.overflowed = original
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +104,21 @@ def data():
 
 
 def test_the_scale_moves_as_torch_gradscaler_does():
-    from autopar.runtime.loss_scaling import LossScale
+    from autopar.runtime.loss_scaling import LossScale, overflowed
 
     scale = LossScale(growth_interval=3)
-    assert scale.update(float("inf")) is False and scale.scale == 2.0**15 and scale.skipped_steps == 1
-    assert scale.update(float("nan")) is False and scale.scale == 2.0**14
-    assert all(scale.update(1.0) for _ in range(2)) and scale.scale == 2.0**14
-    assert scale.update(1.0) and scale.scale == 2.0**15  # the third finite step in a row doubles it
+
+    def step(norm: float) -> None:
+        scale.update(overflowed(torch.tensor(norm)))
+    step(float("inf"))
+    assert scale.scale == 2.0**15 and scale.skipped_steps == 1
+    step(float("nan"))
+    assert scale.scale == 2.0**14
+    for _ in range(2):
+        step(1.0)
+    assert scale.scale == 2.0**14 and scale.finite_in_a_row == 2
+    step(1.0)
+    assert scale.scale == 2.0**15  # the third finite step in a row doubles it
     assert scale.finite_in_a_row == 0 and scale.skipped_steps == 2
 
 
@@ -118,16 +155,27 @@ def test_fp16_layouts_train_like_one_fp16_process_and_send_what_was_planned(data
         torch.testing.assert_close(value, reference["state"][name], rtol=2e-3, atol=2e-3)
 
 
-def test_an_overflow_skips_the_step_on_every_rank_and_halves_the_scale(data):
-    """A scale of 2^40 overflows fp16 at once: the first steps are skipped on both dp ranks alike (the
-    weights untouched) until the halved scale fits."""
+@pytest.mark.parametrize("optimizer", ["sgd", "fused"])
+def test_an_overflow_skips_the_step_on_every_rank_and_halves_the_scale(data, optimizer):
+    """A scale of 2^40 overflows fp16 at once: the first step is skipped on both dp ranks alike (the
+    weights untouched), and the halved scale then fits. The fused AdamW takes the overflow flag in its
+    own step, which leaves weights, moments and its step count as they are, so the host never reads the
+    flag; SGD takes none, and the host reads it once per step."""
     plan = fp16_plan({"dp": 2, "tp": 1, "pp": 1, "microbatch": 2}, 2)
-    ranks, = run_plans(2, [dict(plan=plan.to_json(), precision="fp16", data=data[:1], initial_scale=2.0**40)],
-                       runner=train)
+    ranks, = run_plans(2, [dict(plan=plan.to_json(), precision="fp16", data=data[:1], initial_scale=2.0**40,
+                                optimizer=optimizer)], runner=train)
     for rank in ranks:
         assert rank["skipped"] == 1 and rank["steps_taken"] == 0 and rank["scale"] == 2.0**39
+        assert rank["flag_reads"] == (0 if optimizer == "fused" else 1)
         for name, value in rank["state"].items():
             assert torch.equal(value, rank["before"][name]), name
+    ranks, = run_plans(2, [dict(plan=plan.to_json(), precision="fp16", data=3 * data, initial_scale=2.0**22,
+                                optimizer=optimizer)], runner=train)
+    for rank in ranks:  # from 2^22: halved until it fits, then every step runs
+        assert rank["skipped"] >= 1 and rank["steps_taken"] >= 1, rank["skipped"]
+        assert rank["skipped"] + rank["steps_taken"] == 3 * len(data)
+        assert rank["scale"] == 2.0 ** (22 - rank["skipped"])
+        assert any(not torch.equal(value, rank["before"][name]) for name, value in rank["state"].items())
 
 
 def resumed_scale(job: dict) -> dict:

@@ -26,7 +26,6 @@ after the new one is published. Loading verifies the manifest (the ranks share t
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -131,7 +130,7 @@ class Checkpointer:
                           "parameters": sorted(set(parallel.canonical.values())),
                           "optimizer": type(optimizer).__name__ if optimizer is not None else None,
                           "param_groups": state_io.param_group_hyperparameters(optimizer) if optimizer else None,
-                          "loss_scale": dataclasses.asdict(scale) if scale is not None else None,
+                          "loss_scale": scale.state_dict() if scale is not None else None,
                           "extra": extra}
                 write_durably(temporary / STATE_FILE, json.dumps(record))
         except OSError as failure:
@@ -330,8 +329,7 @@ class Checkpointer:
                   f"ranks {record['world_size']}-{self._world() - 1} keep their own", file=sys.stderr)
         scale = getattr(parallel, "loss_scale", None)
         if record.get("loss_scale") and scale is not None:  # fp16 resumes at the scale it reached
-            for name, value in record["loss_scale"].items():  # in place: a pipeline's loss reads this object
-                setattr(scale, name, value)
+            scale.load_state_dict(record["loss_scale"])  # in place: a pipeline's loss reads this object
         self.loaded = CheckpointInfo(manifest["step"], resolved)
         return record["extra"]
 
