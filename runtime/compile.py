@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.utils._pytree import tree_map_only
 
 from autopar.errors import AutoparError
 
@@ -65,19 +66,16 @@ class _Settle(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: AsyncCollectiveTensor) -> torch.Tensor:
-        return x.trigger_wait()
+        return x.trigger_wait().view(x.shape)  # a view: the waited tensor's own autograd history stays as it is
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 
-def _settle(value):
-    return _Settle.apply(value) if isinstance(value, AsyncCollectiveTensor) else value
-
-
 def _settled_inputs(compiled):
-    """`compiled` called with every async collective result among its arguments waited for first.
+    """`compiled` called with every async collective result among its arguments (nested ones too) waited
+    for first.
 
     A row-parallel output handed on as a local tensor (tp without sp: the embedding's, a block's) is an
     AsyncCollectiveTensor. Entering a compiled graph as such, its gradient came back as a plain tensor
@@ -85,6 +83,7 @@ def _settled_inputs(compiled):
     reads the embedding's output directly, where a GPT block reads its sum with the positions).
     """
     def forward(*args, **kwargs):
-        return compiled(*map(_settle, args), **{key: _settle(value) for key, value in kwargs.items()})
+        args, kwargs = tree_map_only(AsyncCollectiveTensor, _Settle.apply, (args, kwargs))
+        return compiled(*args, **kwargs)
 
     return forward

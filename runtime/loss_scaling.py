@@ -7,16 +7,17 @@ overflowed (a non-finite global norm) is skipped and the scale halved; after `gr
 steps in a row it doubles. The constants are torch.amp.GradScaler's defaults (init_scale 2**16,
 growth_factor 2, backoff_factor 0.5, growth_interval 2000; PyTorch's AMP documentation).
 
-What it costs: nothing beyond the clip's work, and no wait of the host. The overflow check is the
-global gradient norm the clip computes anyway (one scalar all-reduce over every rank, so all of them
-skip the same steps), and the division folds into the clip's scaling, which the fused optimizer
-applies in its own kernel (`runtime.optimizer.defer_gradient_scale`). The scale, its count of finite
-steps and the skipped steps live on the device: whether a step overflowed goes to the fused step as
-its found-inf flag, which skips the update there, and the scale moves by `torch._amp_update_scale_`,
-as GradScaler does, so the host never reads the norm. Other optimizers (SGD, the foreach AdamW of CPU
-runs) take no such flag: there the host reads it and skips the step itself. Under fp16 the norm is
-computed even without clipping, as the cost model and the ledger price a step (`cost_models.optimizer`,
-`cost_models.collectives`).
+What it costs: nothing beyond the clip's work, and the host does not wait for the norm before it
+queues the step. The overflow check is the global gradient norm the clip computes anyway (one scalar
+all-reduce over every rank, so all of them skip the same steps), and the division folds into the
+clip's scaling, which the fused optimizer applies in its own kernel
+(`runtime.optimizer.defer_gradient_scale`). The scale, its count of finite steps and the skipped
+steps live on the device: whether a step overflowed goes to torch's fused Adam or AdamW as its
+found-inf flag, which skips the update there, and the scale moves by `torch._amp_update_scale_`, as
+GradScaler does. With other optimizers (SGD, the foreach AdamW of CPU runs) the host reads the flag
+and skips the step itself. (The step still ends with the host reading the loss, and under offload
+the flag is copied to the host optimizer.) Under fp16 the norm is computed even without clipping, as
+the cost model and the ledger price a step (`cost_models.optimizer`, `cost_models.collectives`).
 """
 
 from __future__ import annotations

@@ -54,11 +54,13 @@ def defer_gradient_scale(optimizer: torch.optim.Optimizer | None, scale: torch.T
 
 
 def hand_found_inf(optimizer: torch.optim.Optimizer | None, found_inf: torch.Tensor) -> bool:
-    """Give `optimizer`'s next step the overflow flag (fp16), where it took a deferred scale (the fused
-    AdamW: it then leaves every parameter and moment as it is, and its step count too, when the flag
-    is 1); False where the caller must decide on the host whether to step."""
+    """Give `optimizer`'s next step the overflow flag (fp16), where it took a deferred scale and is torch's
+    fused Adam or AdamW: a flag of 1 then leaves every parameter, moment and its step count as they are.
+    False where the caller must decide on the host whether to step: other fused optimizers take the flag
+    too, but fused SGD makes its momentum buffers uninitialized on its first step and, skipped, would
+    read them on the next (found by a review)."""
     scale = getattr(optimizer, "grad_scale", None)
-    if scale is None:
+    if scale is None or not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return False
     optimizer.found_inf = found_inf.to(scale.device)  # a host copy under offload, as the scale's
     return True

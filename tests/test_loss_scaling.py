@@ -221,3 +221,21 @@ def test_a_16_bit_loss_is_scaled_in_fp32(data, strategy):
         assert rank["skipped"] == (1 if strategy["pp"] > 1 else 0) and reference["skipped"] == 0
         assert rank["steps_taken"] == STEPS - rank["skipped"] and rank["scale"] == 2.0**16 / 2 ** rank["skipped"]
         torch.testing.assert_close(rank["losses"][0], reference["losses"][0], rtol=1e-3, atol=0)
+
+
+def test_only_torch_fused_adam_takes_the_overflow_flag():
+    """Fused SGD takes a found-inf flag too, but makes its momentum buffers uninitialized on its first
+    step, which a skipped first step would leave for the next to read: the host decides for it, as for
+    every optimizer that takes no deferred scale."""
+    from autopar.runtime.optimizer import clear_gradient_scale, defer_gradient_scale, hand_found_inf
+
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    for optimizer, takes in ((torch.optim.AdamW([param], fused=True), True),
+                             (torch.optim.Adam([param], fused=True), True),
+                             (torch.optim.SGD([param], lr=0.1, momentum=0.9, fused=True), False),
+                             (torch.optim.AdamW([param], foreach=True), False)):
+        defer_gradient_scale(optimizer, torch.tensor(0.5), {param.device})
+        assert hand_found_inf(optimizer, torch.tensor(1.0)) is takes, type(optimizer).__name__
+        assert (getattr(optimizer, "found_inf", None) is not None) is takes
+        clear_gradient_scale(optimizer)

@@ -146,6 +146,63 @@ def test_two_processes_pipeline_compiled():
           dict(dp=1, tp=1, pp=2, schedule="interleaved", vp=2, microbatch=2, recompute="full")], world=2)
 
 
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, pair: tuple | None = None) -> torch.Tensor:
+        out = torch.tanh(self.linear(h)) + h
+        return out if pair is None else out + 3 * pair[0]
+
+
+class _RowParallelStem(torch.nn.Module):
+    """A vocabulary-parallel embedding whose output (an async all-reduce's result) two compiled blocks
+    read: directly, and inside a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.first, self.second = _Block(), _Block()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.second(torch.zeros_like(self.first(h)), pair=(h, None)).sum()
+
+
+def _async_inputs_job(job: dict) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from autopar.runtime.compile import compile_blocks
+
+    torch._dynamo.reset()
+    ids = torch.arange(10).reshape(2, 5) % 16
+    torch.manual_seed(0)
+    reference = _RowParallelStem()
+    reference(ids).backward()
+    torch.manual_seed(0)
+    model = _RowParallelStem()
+    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)),
+                       {"embed": RowwiseParallel(input_layouts=Replicate())})
+    compile_blocks(model, ["first", "second"], backend="aot_eager")
+    model(ids).backward()
+    return {"embed": (model.embed.weight.grad.full_tensor(), reference.embed.weight.grad),
+            "first": (model.first.linear.weight.grad, reference.first.linear.weight.grad),
+            "second": (model.second.linear.weight.grad, reference.second.linear.weight.grad)}
+
+
+def test_compiled_blocks_wait_for_async_collective_inputs_even_nested():
+    """A row-parallel output handed on as a local tensor is an async collective's result; entering a
+    compiled block as it is, its gradient came back as a plain tensor where the collective's backward
+    expects a DTensor, and backward failed (a Llama block at tp=2 without sp). Waited for first, in
+    the arguments and inside a tuple, every gradient is eager's."""
+    for rank in run_plans(2, [{}], runner=_async_inputs_job)[0]:
+        for name, (compiled, eager) in rank.items():
+            torch.testing.assert_close(compiled, eager, msg=lambda m: f"{name}: {m}")
+
+
 def test_compiling_a_block_twice_is_refused():
     from autopar.errors import AutoparError
     from autopar.models import build_model
