@@ -81,6 +81,10 @@ PLANS = [
     ("g27-mb4-full", "gpt3-2.7b", None, 2048, 4, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=full,microbatch=4", False),
     ("g27-mb4-offload", "gpt3-2.7b", None, 2048, 4, "bf16",
      "dp=1,tp=1,pp=1,zero=3,recompute=full,microbatch=4,offload=optimizer", False),
+    # Llama compiled whole (thirteenth session: compile parity on Llama on CPU); last, so that the
+    # budget drops it before the rows above
+    ("llama-1.5b-mb4-compile", "llama", "layers=16,hidden=2048,heads=16,kv_heads=8,vocab=128256,seq_len=2048",
+     2048, 4, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=4", True),
 ]
 SMOKE_CONFIG = "layers=2,hidden=64,heads=4,vocab=257,seq_len=64"
 SMOKE_PLANS = [
