@@ -40,8 +40,15 @@ def compile_forward_loss(module: nn.Module, loss_fn, *, backend: str = "inductor
     return torch.compile(forward_loss, backend=backend)
 
 
-def compile_blocks(module: nn.Module, block_paths: list[str], *, backend: str = "inductor") -> list[str]:
-    """Compile the forward of each listed block present in `module`; returns the paths compiled."""
+def compile_blocks(module: nn.Module, block_paths: list[str], *, backend: str = "inductor",
+                   split_backward: bool = False) -> list[str]:
+    """Compile the forward of each listed block present in `module`; returns the paths compiled.
+
+    `split_backward`: the schedule differentiates each stage twice over one graph (zero-bubble: input
+    gradients with the graph retained, then weight gradients). A compiled backward that donates its
+    saved buffers refuses a retained graph (torch 2.13 raised mid-step), so donation is turned off for
+    the process, as TorchTitan's graph pipeline does for its V schedules. Donation only lets inductor
+    reuse dead saved buffers in backward; the cost model does not count it."""
     present = dict(module.named_modules())
     done = []
     for path in block_paths:
@@ -54,6 +61,8 @@ def compile_blocks(module: nn.Module, block_paths: list[str], *, backend: str = 
         compiled._autopar_compiled = True
         block.forward = compiled
         done.append(path)
+    if done and split_backward:
+        torch._functorch.config.donated_buffer = False
     if done:
         config = torch._dynamo.config
         key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # the newer name

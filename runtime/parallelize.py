@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.errors import AutoparError
 from autopar.gradient_norm import squares_sum
 from autopar.graph.capture import model_fingerprint
-from autopar.plan_schema import Plan
+from autopar.plan_schema import ZERO_BUBBLE_SCHEDULES, Plan
 from autopar.capabilities import whole_stage_problem
 from autopar.runtime.allocator import configure_allocator
 from autopar.runtime.compile import compile_blocks, compile_forward_loss
@@ -413,7 +413,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 8. materialize this rank's shards (and experts) with the sharding-independent init
         materialize(module, source, layout.device, parameter_device(layout.device, s.offload), expert_rows)
         if compile and whole_stage_problem(s) is not None:  # 8b. compile each block, inside every wrapper above
-            compile_blocks(module, blocks)
+            compile_blocks(module, blocks, split_backward=s.schedule in ZERO_BUBBLE_SCHEDULES)
         modules.append(module)
     retie_across_stages(modules, identities)  # 8c. materialized apart, a weight two local stages share is one again
 

@@ -141,6 +141,14 @@ def test_two_processes_tensor_parallel_compiled():
 
 
 @pytest.mark.slow
+def test_two_processes_zero_bubble_pipelines_compiled():
+    """Zero-bubble schedules differentiate a stage twice over one retained graph, which a compiled
+    backward donating its buffers refused mid-step (`compile_blocks(split_backward=True)`)."""
+    _run([dict(dp=1, tp=1, pp=2, schedule="zbv", vp=2, microbatch=2),
+          dict(dp=1, tp=1, pp=2, schedule="interleaved_zb", vp=2, microbatch=2)], world=2)
+
+
+@pytest.mark.slow
 def test_two_processes_pipeline_compiled():
     _run([dict(dp=1, tp=1, pp=2, schedule="1f1b", microbatch=2),
           dict(dp=1, tp=1, pp=2, schedule="interleaved", vp=2, microbatch=2, recompute="full")], world=2)
