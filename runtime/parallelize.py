@@ -354,6 +354,10 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
     if compile and s.sp and s.sp_inputs == "regathered":
         raise AutoparError("this plan keeps sequence shards (sp_inputs=regathered), which runs eager only: "
                            "re-run `autopar plan` with compile")
+    if compile and s.tp > 1 and plan.tp_realization == "dtensor":
+        raise AutoparError("this plan's tensor parallelism runs through DTensor, which the runtime does not "
+                           "compile: run it without compile, or re-run `autopar plan` with compile (it then "
+                           "offers tp=1 only for this model)")
     fingerprint = model_fingerprint(model)
     if plan.provenance.model_fingerprint != fingerprint:
         raise AutoparError(

@@ -397,7 +397,7 @@ class Refiner:
         planned = planned_tp_placements(choice, self.graph, self.facts, s.tp)
         paths = tuple(self.facts.units[i].name for i in self.facts.layer_units) if s.recompute != "none" else ()
         realization = self.capabilities.tp_realization(planned, s.tp, s.sp, s.microbatch, s.recompute, paths)
-        if not realization.runs:
+        if not realization.runs or (s.compile and realization.name != "modules"):  # DTENSOR_COMPILE_PROBLEM
             return None
         planned = realization.placements if realization.placements is not None else planned
         if s.sp or s.pp > 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from autopar.capabilities import Capabilities
+from autopar.capabilities import DTENSOR_COMPILE_PROBLEM, Capabilities
 from autopar.graph.ir import OpGraph
 from autopar.plan_schema import Strategy
 from autopar.cost_models.collectives import head_vocab, step_collectives
@@ -60,7 +60,7 @@ def _megatron_dry_run_refusal(capabilities: Capabilities, graph: OpGraph, facts:
     answers: dict[tuple, str | None] = {}
 
     def refusal(strategy: Strategy) -> str | None:
-        key = (strategy.tp, strategy.sp, strategy.pp > 1)
+        key = (strategy.tp, strategy.sp, strategy.pp > 1, strategy.compile)
         if key not in answers:
             placements = planned_tp_placements({}, graph, facts, strategy.tp)
             realization = realize(placements, strategy.tp, strategy.sp, 1)
@@ -70,6 +70,9 @@ def _megatron_dry_run_refusal(capabilities: Capabilities, graph: OpGraph, facts:
             elif strategy.pp > 1 and realization.name != "modules":
                 answers[key] = (f"tensor parallelism ({mode}) runs on this model only through DTensor, which the "
                                 f"runtime does not combine with pipeline stages")
+            elif strategy.compile and realization.name != "modules":
+                answers[key] = (f"tensor parallelism ({mode}) runs on this model only through DTensor, which the "
+                                f"runtime does not compile: {DTENSOR_COMPILE_PROBLEM}")
             else:
                 answers[key] = None
         return answers[key]

@@ -172,6 +172,30 @@ def test_searcher_refuses_what_the_runtime_cannot_run(family, strategy, world, r
     assert not refused, refused
 
 
+def test_dtensor_tensor_parallelism_is_not_compiled():
+    """GPT-2's tp runs through DTensor, whose compiled blocks failed mid-backward (an unused DTensor
+    output of a block compiled in pieces): with compile the searcher offers it no tp > 1 and says
+    why, and `parallelize(compile=True)` refuses an eager DTensor plan before anything runs."""
+    from autopar.errors import AutoparError
+    from autopar.runtime.parallelize import parallelize
+    import autopar
+
+    reason = "runs on this model only through DTensor, which the runtime does not compile"
+    with pytest.raises(AutoparError, match=reason):
+        hf_plan("gpt2", dict(tp=2, compile=True), 2)
+    model = hf_model("gpt2")
+    example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    result = autopar.plan(model, (example,), cluster=autopar.load_cluster("dgx-h100", gpus=2),
+                          global_batch=GLOBAL_BATCH, loss_fn=hf_loss, precision="fp32", name="gpt2", seq_len=SEQ,
+                          strategy=dict(compile=True), use_ilp=False).search
+    assert sum(count for why, count in result.rejected.items() if reason in why) > 0, result.rejected
+    assert result.ranked and all(c.strategy.tp == 1 for c in result.ranked)
+    eager = hf_plan("gpt2", dict(tp=2), 2)
+    assert eager.tp_realization == "dtensor"
+    with pytest.raises(AutoparError, match="runs through DTensor, which the runtime does not compile"):
+        parallelize(hf_model("gpt2"), eager, loss_fn=hf_loss, compile=True)
+
+
 def test_a_meta_device_hf_model_needs_real_weights():
     """HF modules without reset_parameters (RMSNorm) cannot be initialized from meta: the message says
     to pass the constructed model, whose weights then are the source (what the parity tests do)."""

@@ -143,9 +143,10 @@ def test_two_processes_tensor_parallel_compiled():
 @pytest.mark.slow
 def test_two_processes_zero_bubble_pipelines_compiled():
     """Zero-bubble schedules differentiate a stage twice over one retained graph, which a compiled
-    backward donating its buffers refused mid-step (`compile_blocks(split_backward=True)`)."""
-    _run([dict(dp=1, tp=1, pp=2, schedule="zbv", vp=2, microbatch=2),
-          dict(dp=1, tp=1, pp=2, schedule="interleaved_zb", vp=2, microbatch=2)], world=2)
+    backward donating its buffers refused mid-step (`compile_blocks(split_backward=True)`); the
+    searcher refused them compiled until then, and now plans them."""
+    _run([dict(dp=1, tp=1, pp=2, schedule="zbv", vp=2, microbatch=2, compile=True),
+          dict(dp=1, tp=1, pp=2, schedule="interleaved_zb", vp=2, microbatch=2, compile=True)], world=2)
 
 
 @pytest.mark.slow
