@@ -25,6 +25,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._pytree import tree_map_only
 
 from autopar.errors import AutoparError
+from autopar.runtime.recompute import checkpointed_inside
 
 # Blocks share one compiled graph when their guards agree (seen: 12 zoo GPT blocks, with and without
 # recompute, one graph). Blocks that differ (say, per-layer attention windows) need an entry each:
@@ -41,14 +42,20 @@ def compile_forward_loss(module: nn.Module, loss_fn, *, backend: str = "inductor
 
 
 def compile_blocks(module: nn.Module, block_paths: list[str], *, backend: str = "inductor",
-                   split_backward: bool = False) -> list[str]:
+                   split_backward: bool = False, inside_checkpoint: bool = False) -> list[str]:
     """Compile the forward of each listed block present in `module`; returns the paths compiled.
 
     `split_backward`: the schedule differentiates each stage twice over one graph (zero-bubble: input
     gradients with the graph retained, then weight gradients). A compiled backward that donates its
     saved buffers refuses a retained graph (torch 2.13 raised mid-step), so donation is turned off for
     the process, as TorchTitan's graph pipeline does for its V schedules. Donation only lets inductor
-    reuse dead saved buffers in backward; the cost model does not count it."""
+    reuse dead saved buffers in backward; the cost model does not count it.
+
+    `inside_checkpoint`: a recomputed block compiles the function its checkpoint calls, and the checkpoint
+    runs eagerly around it, instead of compiling the checkpoint with it. Under tp with full recompute a
+    compiled checkpoint saved the device mesh among its tensors for the recomputation and failed
+    (torch 2.13: "expected all tensors_saved_with_vc_check to be Tensors"); the recomputation then runs
+    the compiled forward again, as eager full recompute runs the forward again."""
     present = dict(module.named_modules())
     done = []
     for path in block_paths:
@@ -57,7 +64,10 @@ def compile_blocks(module: nn.Module, block_paths: list[str], *, backend: str = 
             continue
         if getattr(block.forward, "_autopar_compiled", False):
             raise AutoparError(f"block {path} is already compiled: parallelize a fresh model")
-        compiled = _settled_inputs(torch.compile(block.forward, backend=backend))
+        def compiled_form(forward):
+            return _settled_inputs(torch.compile(forward, backend=backend))
+        inner = checkpointed_inside(block.forward, compiled_form) if inside_checkpoint else None
+        compiled = inner if inner is not None else compiled_form(block.forward)
         compiled._autopar_compiled = True
         block.forward = compiled
         done.append(path)

@@ -417,7 +417,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable, seed: int = 
         # 8. materialize this rank's shards (and experts) with the sharding-independent init
         materialize(module, source, layout.device, parameter_device(layout.device, s.offload), expert_rows)
         if compile and whole_stage_problem(s) is not None:  # 8b. compile each block, inside every wrapper above
-            compile_blocks(module, blocks, split_backward=s.schedule in ZERO_BUBBLE_SCHEDULES)
+            compile_blocks(module, blocks, split_backward=s.schedule in ZERO_BUBBLE_SCHEDULES,
+                           inside_checkpoint=s.tp > 1 and s.recompute == "full")
         modules.append(module)
     retie_across_stages(modules, identities)  # 8c. materialized apart, a weight two local stages share is one again
 

@@ -50,14 +50,27 @@ def apply_recompute(model: nn.Module, module_paths: list[str], policy: str) -> l
         module = present.get(path)
         if module is None:
             continue
-        original = module.forward
         context = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
                    if policy == "selective" else None)
-
-        def forward(*args, _original=original, _context=context, **kwargs):
-            extra = {"context_fn": _context} if _context is not None else {}
-            return checkpoint(_original, *args, use_reentrant=False, **extra, **kwargs)
-
-        module.forward = forward
+        module.forward = _checkpointed(module.forward, context)
         done.append(path)
     return done
+
+
+def _checkpointed(original, context):
+    def forward(*args, **kwargs):
+        extra = {"context_fn": context} if context is not None else {}
+        return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
+
+    forward._autopar_checkpointed = (original, context)  # what `checkpointed_inside` rebuilds
+    return forward
+
+
+def checkpointed_inside(forward, transform):
+    """`forward`, a checkpointed block's, rebuilt with `transform` applied to the function it checkpoints
+    (compile: the checkpoint then runs eagerly around the compiled block); None when it is not one."""
+    parts = getattr(forward, "_autopar_checkpointed", None)
+    if parts is None:
+        return None
+    original, context = parts
+    return _checkpointed(transform(original), context)

@@ -127,11 +127,13 @@ def test_hf_gpt2_world2_plan_kinds():
 def test_hf_models_compiled_train_like_one_process_with_their_ledgers(family):
     """`compile=True` on a model as Hugging Face builds it: the whole stage with its loss under dp at
     ZeRO 0, each block under ZeRO 3 with recompute (FSDP2's hooks outside the graphs) and, for Llama,
-    under the module rules' tp. The compiled code's collectives are the plan's."""
+    under the module rules' tp, with full recompute too (the block compiled inside its checkpoint).
+    The compiled code's collectives are the plan's, full recompute's resent ones included."""
     strategies = [dict(dp=2, tp=1, pp=1, zero=0, microbatch=2),
                   dict(dp=2, tp=1, pp=1, zero=3, microbatch=2, recompute="full")]
     if family == "llama":
-        strategies.append(dict(dp=1, tp=2, pp=1, zero=0, microbatch=4))
+        strategies += [dict(dp=1, tp=2, pp=1, zero=0, microbatch=4),
+                       dict(dp=1, tp=2, pp=1, zero=0, microbatch=4, recompute="full")]
     results = _parity(family, strategies, world=2, compile=True)
     ways = [ranks[0]["compile"] for ranks in results]
     assert ways[0] == "whole stage with its loss", ways

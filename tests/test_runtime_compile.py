@@ -125,7 +125,8 @@ def test_two_processes_llama_zero_and_tensor_parallel_compiled():
     result, which broke the compiled block's backward until `compile._settled_inputs` waited for it."""
     _run([dict(dp=2, tp=1, pp=1, zero=3, microbatch=2, recompute="full"),
           dict(dp=1, tp=2, pp=1, zero=0, microbatch=4),
-          dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4)], world=2, model="llama")
+          dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4),
+          dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4, recompute="full")], world=2, model="llama")
 
 
 @pytest.mark.slow
@@ -136,8 +137,11 @@ def test_two_processes_data_parallel_and_zero_compiled():
 
 @pytest.mark.slow
 def test_two_processes_tensor_parallel_compiled():
+    """Full recompute under tp compiles the block inside its checkpoint (`compile_blocks(inside_checkpoint=
+    True)`): a compiled checkpoint saved the device mesh among its tensors and failed."""
     _run([dict(dp=1, tp=2, pp=1, zero=0, microbatch=4),
-          dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4, recompute="selective")], world=2)
+          dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4, recompute="selective"),
+          dict(dp=1, tp=2, pp=1, sp=True, zero=0, microbatch=4, recompute="full")], world=2)
 
 
 @pytest.mark.slow
