@@ -56,6 +56,9 @@ def compile_blocks(module: nn.Module, block_paths: list[str], *, backend: str = 
     compiled checkpoint saved the device mesh among its tensors for the recomputation and failed
     (torch 2.13: "expected all tensors_saved_with_vc_check to be Tensors"); the recomputation then runs
     the compiled forward again, as eager full recompute runs the forward again."""
+    def compiled_form(forward):
+        return _settled_inputs(torch.compile(forward, backend=backend))
+
     present = dict(module.named_modules())
     done = []
     for path in block_paths:
@@ -64,8 +67,6 @@ def compile_blocks(module: nn.Module, block_paths: list[str], *, backend: str = 
             continue
         if getattr(block.forward, "_autopar_compiled", False):
             raise AutoparError(f"block {path} is already compiled: parallelize a fresh model")
-        def compiled_form(forward):
-            return _settled_inputs(torch.compile(forward, backend=backend))
         inner = checkpointed_inside(block.forward, compiled_form) if inside_checkpoint else None
         compiled = inner if inner is not None else compiled_form(block.forward)
         compiled._autopar_compiled = True
