@@ -11,7 +11,8 @@ makes them without a GPU (tracing and search on CPU), so the device's minutes go
 `--plans plans.json` then reads them (made at the same commit: the file says which).
 
 Measured per plan: step time (warm-up steps untimed, then each step between synchronizations; mean
-and min), `max_memory_allocated` and `max_memory_reserved` over all steps after a reset taken before
+and min; then, but for offload rows, three steps back to back with each loss read once the next step
+is queued, as `autopar run` reads them: `step_time_s_back_to_back`), `max_memory_allocated` and `max_memory_reserved` over all steps after a reset taken before
 `parallelize`, first and last loss, or the out-of-memory / error that stopped it. Phases, in order of
 value, each skipped with its reason when `--budget-s` would be exceeded: plans, baselines (plain
 eager, plain compiled, the reference GPT eager and compiled: `gpu_baselines.py`), kernels per step
@@ -171,8 +172,11 @@ def free(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def timed(step, device: str, warmup: int, steps: int) -> dict:
-    """Warm-up steps untimed, then each step between synchronizations."""
+def timed(step, device: str, warmup: int, steps: int, queued_step=None, queued_steps: int = 0) -> dict:
+    """Warm-up steps untimed, then each step between synchronizations (the rows compare on these).
+    With `queued_step` (one that returns its loss queued, `ParallelModel.queued_train_step`), then
+    `queued_steps` more back to back, each loss read once the next step is queued as `autopar run`
+    reads them: their mean is what a run's tokens/s sees, without a wait for the host between steps."""
     losses = [float(step()) for _ in range(warmup)]
     times = []
     for _ in range(steps):
@@ -183,6 +187,18 @@ def timed(step, device: str, warmup: int, steps: int) -> dict:
         times.append(time.perf_counter() - started)
     record = {"step_time_s_mean": sum(times) / len(times), "step_time_s_min": min(times),
               "first_loss": losses[0], "last_loss": losses[-1], "losses": losses}
+    if queued_step is not None and queued_steps > 0:
+        synchronize(device)
+        started, previous = time.perf_counter(), None
+        for _ in range(queued_steps):
+            current = queued_step()
+            if previous is not None:
+                losses.append(previous.value())
+            previous = current
+        losses.append(previous.value())
+        synchronize(device)
+        record |= {"step_time_s_back_to_back": (time.perf_counter() - started) / queued_steps,
+                   "last_loss": losses[-1]}
     if device == "cuda":
         record |= {"max_memory_allocated_bytes": torch.cuda.max_memory_allocated(),
                    "max_memory_reserved_bytes": torch.cuda.max_memory_reserved()}
@@ -258,7 +274,9 @@ def run_plan(case: tuple, made: dict, device: str, steps: int) -> dict:
         offload = plan.strategy.offload != "none"
         warmup = 2  # the same for every row, so that losses compare step by step (compiled vs eager)
         record = timed(lambda: parallel.train_step(ids, optimizer, max_grad_norm=1.0), device,
-                       warmup, max(2, steps // 2) if offload else steps)
+                       warmup, max(2, steps // 2) if offload else steps,
+                       queued_step=lambda: parallel.queued_train_step(ids, optimizer, max_grad_norm=1.0),
+                       queued_steps=0 if offload else 3)
         return record | {"optimizations": dict(parallel.optimizations)}
 
     return guarded(measure)
@@ -517,14 +535,19 @@ def main(argv: list[str] | None = None) -> int:
                 row["mfu_with_attention"] = mfu_with_attention(
                     params, attention_flops_per_token(model, config, seq_len), batch * seq_len,
                     row["step_time_s_mean"], peak)
+                if row.get("step_time_s_back_to_back"):
+                    row["mfu_back_to_back"] = mfu(params, batch * seq_len, row["step_time_s_back_to_back"], peak)
             if strategy and "offload=optimizer" in strategy and suite.afford(f"host rates {name}", 20):
                 row["predicted_on_this_host"] = guarded(lambda: priced_on_this_host(case, args.device))
         else:
             continue
         suite.record["plans"].append(row)
         suite.save()
+        back_to_back = row.get("step_time_s_back_to_back")
         suite.say(f"{name}: {row['status']} " + (f"{row['step_time_s_mean'] * 1e3:.1f} ms (predicted "
-                  f"{row['predicted']['step_time_s'] * 1e3:.1f})" if row["status"] == "ok" else ""))
+                  f"{row['predicted']['step_time_s'] * 1e3:.1f}" + (f"; back to back {back_to_back * 1e3:.1f}"
+                                                                    if back_to_back else "") + ")"
+                                                    if row["status"] == "ok" else ""))
     # parallelize configures the CUDA allocator for the process (runtime/allocator.py): the baselines
     # after the plans run under that setting too
     ran = [row for row in suite.record["plans"] if "optimizations" in row]

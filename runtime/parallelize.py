@@ -44,6 +44,7 @@ from autopar.runtime.optimizer import build_optimizer, clear_gradient_scale, def
 from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
                                                retie_across_stages, tied_gradient_groups)
 from autopar.runtime.loss_scaling import LossScale, loss_scale_for, overflowed, scaled_loss
+from autopar.runtime.queued_values import QueuedScalar
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
@@ -226,18 +227,28 @@ class ParallelModel:
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
         """Mean loss over the global batch, the same on every rank (one scalar all-reduce)."""
+        return self.queued_global_loss(loss_sum).value()
+
+    def queued_global_loss(self, loss_sum: torch.Tensor) -> QueuedScalar:
+        """`global_loss` on its way to the host: the all-reduce is queued, nothing waits for it yet."""
         s = self.strategy
         value = loss_sum.detach().float().reshape(1)
         if not (self.is_last_stage() and self.layout.tp_rank == 0):
             value = torch.zeros_like(value)
         dist.all_reduce(value)
-        return value.item() / (s.dp * s.cp * s.num_microbatches)  # cp ranks' losses are cp x their share
+        return QueuedScalar(value, divisor=s.dp * s.cp * s.num_microbatches)  # cp ranks' losses are cp x their share
 
     def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: float = 0.0,
                    *, local: bool = False) -> float:
         """Forward, backward, gradient sync, clipping and the optimizer step; the global batch's mean loss.
         `batch` is the global batch (every rank passes the same one), or with `local=True` this dp rank's
         rows alone (a loader that reads no other rank's)."""
+        return self.queued_train_step(batch, optimizer, max_grad_norm, local=local).value()
+
+    def queued_train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: float = 0.0,
+                          *, local: bool = False) -> QueuedScalar:
+        """`train_step` without waiting for the device: its loss comes back as a `QueuedScalar`, which a
+        loop reads once the next step is queued (`runtime/queued_values.py`)."""
         rows = batch.to(self.layout.device) if local else self.local_batch(batch)
         loss_sum = self.forward_backward(rows)
         self.sync_gradients()
@@ -254,7 +265,7 @@ class ParallelModel:
         finally:  # a step that raised must not leave its deferred scale to the next one
             clear_gradient_scale(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        return self.global_loss(loss_sum)
+        return self.queued_global_loss(loss_sum)
 
     def executed_placements(self) -> dict[str, str]:
         """Each parameter's placement over the stage mesh (dp, tp; dp, cp, tp under context parallelism)

@@ -136,11 +136,11 @@ class TrainingLoop:
         self.save_prediction = None
         self._save_predicted = False
 
-    def step(self) -> float:
-        """One optimizer step of `ParallelModel.train_step` on the next batch; the mean loss."""
+    def step(self):
+        """One optimizer step of `ParallelModel.queued_train_step` on the next batch; its mean loss, queued."""
         batch = self.data.next_batch()
-        return self.parallel.train_step(batch, self.optimizer, self.config.max_grad_norm,
-                                        local=not self.data.whole_batch)
+        return self.parallel.queued_train_step(batch, self.optimizer, self.config.max_grad_norm,
+                                               local=not self.data.whole_batch)
 
     def predict_checkpoint_cost(self, reporter: Reporter) -> None:
         """Once, before the first step (a collective): the checkpoint's predicted save time and the
@@ -169,16 +169,20 @@ class TrainingLoop:
         else:
             reporter.say(f"saved checkpoint {path} in {measured_s:.3g} s{beside}")
 
-    def stop_requested(self, stop: StopRequest, device) -> bool:
-        """Whether any rank got SIGTERM: all ranks stop after the same step (one scalar all-reduce)."""
-        if self.env.world_size == 1:
-            return stop.requested
+    def stop_requested(self, stop: StopRequest, device):
+        """Whether any rank got SIGTERM, queued (one scalar all-reduce): every rank reads the same flag
+        at the same step, so all stop after the same step."""
         import torch
-        import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if stop.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        from autopar.runtime.queued_values import QueuedScalar
+
+        flag = torch.tensor([1.0 if stop.requested else 0.0])
+        if self.env.world_size > 1:
+            import torch.distributed as dist
+
+            flag = flag.to(device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return QueuedScalar(flag)
 
     def peak_memory_bytes(self, device) -> int:
         """The largest peak of any rank (CUDA only; 0 elsewhere)."""
@@ -194,7 +198,11 @@ class TrainingLoop:
 
     def loop(self, first_step: int, last_step: int, stop: StopRequest, reporter: Reporter, num_params: int,
              peak: float | None, nominal: bool) -> int:
-        """Train steps first_step..last_step; returns the last step trained (earlier on SIGTERM)."""
+        """Train steps first_step..last_step; returns the last step trained (earlier on SIGTERM).
+
+        Each step's loss and stop flag are read once the next step is queued (`runtime/queued_values.py`),
+        so the device never waits for the host between steps; a step that logs, saves, stops or ends the
+        range is read at once. Every rank reads the same steps, so all agree on when to stop."""
         import torch
 
         config = self.config
@@ -204,14 +212,19 @@ class TrainingLoop:
         self.predict_checkpoint_cost(reporter)
         started = time.perf_counter()
         interval_steps = 0
+        unread: list[tuple[int, Any, Any]] = []  # (step, its loss, its stop flag), queued
+        state = {"loss": math.nan, "stopping": False}
         for step in range(first_step, last_step + 1):
-            loss = self.step()
+            unread.append((step, self.step(), self.stop_requested(stop, device)))
             interval_steps += 1
-            if not math.isfinite(loss):
-                raise AutoparError(f"the loss is {loss} at step {step}: lower --lr, set --max-grad-norm, or use "
-                                   f"--precision fp32/bf16", exit_code=1)
-            reporter.advance(step, loss)
-            if step % config.log_every == 0:
+            _read(unread, state, reporter, keep=1)  # the step before this one
+            logs = step % config.log_every == 0
+            due = step == config.steps or state["stopping"] or (every is not None and step % every == 0)
+            if logs or due or step == last_step:
+                _read(unread, state, reporter, keep=0)
+                due = due or state["stopping"]
+            loss = state["loss"]
+            if logs:
                 if cuda:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - started
@@ -231,18 +244,29 @@ class TrainingLoop:
                                  "mfu_as_planned": as_planned, "mfu_nominal": nominal,
                                  "peak_memory_bytes": peak_memory, "data": self.data_name,
                                  **({"loss_scale": scale.scale, "skipped_steps": scale.skipped_steps} if scale else {})})
-            stopping = self.stop_requested(stop, device)
-            due = step == config.steps or stopping or (every is not None and step % every == 0)
             if self.checkpointer is not None and due:
                 self.save(step, reporter)
-            if stopping:
+            if state["stopping"]:
                 saved = "checkpoint saved" if self.checkpointer is not None else "no --checkpoint-dir, nothing saved"
                 reporter.say(f"SIGTERM: stopped after step {step} ({saved})")
                 return step
-            if step % config.log_every == 0:  # the next interval starts after any save
+            if logs:  # the next interval starts after any save
                 started = time.perf_counter()
                 interval_steps = 0
         return last_step
+
+
+def _read(unread: list, state: dict, reporter: Reporter, keep: int) -> None:
+    """Read the queued steps but the last `keep`: each loss checked and shown, the stop flags or-ed."""
+    while len(unread) > keep:
+        step, loss, flag = unread.pop(0)
+        value = loss.value()
+        if not math.isfinite(value):
+            raise AutoparError(f"the loss is {value} at step {step}: lower --lr, set --max-grad-norm, or use "
+                               f"--precision fp32/bf16", exit_code=1)
+        reporter.advance(step, value)
+        state["loss"] = value
+        state["stopping"] = state["stopping"] or flag.value() > 0
 
 
 class MetricsFile:
