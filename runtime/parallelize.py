@@ -44,7 +44,7 @@ from autopar.runtime.optimizer import build_optimizer, clear_gradient_scale, def
 from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
                                                retie_across_stages, tied_gradient_groups)
 from autopar.runtime.loss_scaling import LossScale, loss_scale_for, overflowed, scaled_loss
-from autopar.runtime.queued_values import QueuedScalar
+from autopar.runtime.host_transfers import QueuedScalar, batch_to_device
 from autopar.runtime.precision import autocast, fsdp_policy
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.tensor_parallel.module_rules import apply_tensor_parallel, default_head_path, plan_refusal, tp_placement
@@ -112,7 +112,7 @@ class ParallelModel:
             raise AutoparError(f"global batch of {global_batch.shape[0]} sequences, the plan needs dp x microbatch x "
                                f"micro-batches = {s.dp} x {s.microbatch} x {s.num_microbatches} = {rows * s.dp}")
         start = self.layout.dp_rank * rows
-        return global_batch[start:start + rows].to(self.layout.device)
+        return batch_to_device(global_batch[start:start + rows], self.layout.device)
 
     def forward_backward(self, local: torch.Tensor) -> torch.Tensor:
         """Run every micro-batch forward and backward; returns the sum of micro-batch losses (0 off the last stage).
@@ -248,8 +248,8 @@ class ParallelModel:
     def queued_train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: float = 0.0,
                           *, local: bool = False) -> QueuedScalar:
         """`train_step` without waiting for the device: its loss comes back as a `QueuedScalar`, which a
-        loop reads once the next step is queued (`runtime/queued_values.py`)."""
-        rows = batch.to(self.layout.device) if local else self.local_batch(batch)
+        loop reads once the next step is queued (`runtime/host_transfers.py`)."""
+        rows = batch_to_device(batch, self.layout.device) if local else self.local_batch(batch)
         loss_sum = self.forward_backward(rows)
         self.sync_gradients()
         try:

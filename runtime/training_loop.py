@@ -174,14 +174,15 @@ class TrainingLoop:
         at the same step, so all stop after the same step."""
         import torch
 
-        from autopar.runtime.queued_values import QueuedScalar
+        from autopar.runtime.host_transfers import QueuedScalar
 
-        flag = torch.tensor([1.0 if stop.requested else 0.0])
-        if self.env.world_size > 1:
-            import torch.distributed as dist
+        value = 1.0 if stop.requested else 0.0
+        if self.env.world_size == 1:
+            return QueuedScalar(torch.tensor(value))
+        import torch.distributed as dist
 
-            flag = flag.to(device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.full((1,), value, device=device)  # a fill kernel: a copy from the host would wait for the device
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return QueuedScalar(flag)
 
     def peak_memory_bytes(self, device) -> int:
@@ -200,7 +201,7 @@ class TrainingLoop:
              peak: float | None, nominal: bool) -> int:
         """Train steps first_step..last_step; returns the last step trained (earlier on SIGTERM).
 
-        Each step's loss and stop flag are read once the next step is queued (`runtime/queued_values.py`),
+        Each step's loss and stop flag are read once the next step is queued (`runtime/host_transfers.py`),
         so the device never waits for the host between steps; a step that logs, saves, stops or ends the
         range is read at once. Every rank reads the same steps, so all agree on when to stop."""
         import torch

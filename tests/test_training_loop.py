@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autopar.errors import AutoparError
-from autopar.runtime.queued_values import QueuedScalar
+from autopar.runtime.host_transfers import QueuedScalar
 from autopar.runtime.training_loop import StopRequest, TrainingLoop
 
 

@@ -1,4 +1,4 @@
-"""A device scalar the host reads later, without waiting for the work queued after it.
+"""What a step moves between host and device without making the host wait for the device.
 
 Reading a CUDA tensor (`.item()`) copies it on the current stream, so the host waits for every kernel
 queued before the read, the next step's included. A training loop that reads each step's loss so
@@ -6,6 +6,8 @@ waits for the device once a step, and the device idles while the host then prepa
 next step. Hand-written loops read the loss at their log steps only (nanoGPT, TorchTitan). autopar's
 loop reads every step's loss, one step late: the value is copied to pinned host memory right after
 it is made, behind an event, so reading it waits for that event alone while the next step runs.
+The batch goes the other way through pinned memory: a copy from pageable memory synchronizes the
+stream, so the host would wait there for the step before instead.
 """
 
 from __future__ import annotations
@@ -36,3 +38,11 @@ class QueuedScalar:
 
     def __float__(self) -> float:
         return self.value()
+
+
+def batch_to_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on `device`; from the host to a GPU through pinned memory, without blocking (the
+    caching host allocator reuses the pinned block only once the copy is done)."""
+    if device.type != "cuda" or rows.device.type != "cpu":
+        return rows.to(device)
+    return rows.pin_memory().to(device, non_blocking=True)
