@@ -409,6 +409,9 @@ def verdicts(record: dict) -> list[dict]:
         goal("GPT-1.3B batch 8 MFU >= 50% (autopar, compiled; 6N)", round(compiled["mfu"], 4), compiled["mfu"] >= 0.50)
         goal("GPT-1.3B batch 8 MFU >= 50% (autopar, compiled; 6N + 12lhs, the anchor's accounting)",
              round(compiled["mfu_with_attention"], 4), compiled["mfu_with_attention"] >= 0.50)
+        if compiled.get("mfu_back_to_back"):  # what `autopar run` logs: no wait for the host between steps
+            goal("GPT-1.3B batch 8 MFU >= 50% (autopar, compiled; 6N; steps back to back, as autopar run logs it)",
+                 round(compiled["mfu_back_to_back"], 4), compiled["mfu_back_to_back"] >= 0.50)
     else:
         goal("GPT-1.3B batch 8 MFU >= 50%", None, None, "the compiled row did not run")
     errors = {case: row["predicted"]["step_time_s"] / row["step_time_s_mean"] - 1 for case, row in ok.items()}
