@@ -76,6 +76,8 @@ class Evaluation:
     activation_scale: float = 1 + FRAGMENTATION_MARGIN
     # Whether the activations were counted at autocast's dtypes (`stage_costs.autocast_activations`).
     autocast_activations: bool = False
+    # Whether a block's input was counted cast once for its projections (`Pricing.block_casts_once`).
+    block_casts_once: bool = False
 
     @property
     def fits_host(self) -> bool:
@@ -115,6 +117,7 @@ def evaluate(
     cache: CostCache | None = None,
     tp_step: tuple[tuple[str, float], ...] = (),
     selective_repeats: bool = False,
+    tp_realization: str | None = None,
 ) -> Evaluation:
     """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates);
     `stages` overrides the even split of layers with a searched partition (pp·vp lists of units).
@@ -123,13 +126,15 @@ def evaluate(
     a plan's tp communication is priced from the same collectives its ledger lists; so are `tp_step`
     (tp collectives once per step after backward, from a dry run; pp = 1) and `selective_repeats`.
     `cache`: the caller's, to share derived unit costs across evaluations of one model (a fresh one
-    if None)."""
+    if None). `tp_realization`: how the runtime realizes tp > 1 (`Plan.tp_realization`): the module
+    rules cast a block's input once for its projections; None (not known) or DTensor, once each."""
     s = strategy
     facts, stages_units = priced_stages(facts, s, stages)
     pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=efficiency, cache=cache or CostCache(),
                       tp_layout=group_layout(s.tp, 1, cluster.gpus_per_node),
                       dp_layout=sync_layout(s, cluster.gpus_per_node), vocab=vocab,
-                      recompute_repeats=recompute_repeats, tp_step=tp_step, selective_repeats=selective_repeats)
+                      recompute_repeats=recompute_repeats, tp_step=tp_step, selective_repeats=selective_repeats,
+                      block_casts_once=s.tp > 1 and tp_realization == "modules")
     prices = price_stages(pricing, stages_units)
     tied_ranks = tied_across_ranks(stages_units, s.pp, s.tp, s.schedule)
     rank_params = list(prices.rank_params)
@@ -391,7 +396,7 @@ def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: Pi
         strategy=s, global_batch=global_batch, seq_len=facts.seq_len, step_time_s=step_time,
         activation_scale=activation_scale(facts.precision, s.zero, s.offload, s.optimizer_state, compiled_layers(s),
                                           autocast_activations(pricing)),
-        autocast_activations=autocast_activations(pricing),
+        autocast_activations=autocast_activations(pricing), block_casts_once=pricing.block_casts_once,
         tokens_per_s=tokens / step_time, tflops_per_gpu=tflops_per_gpu,
         mfu=tflops_per_gpu * 1e12 / gpu.peak_flops_per_s(facts.precision),
         fits=all(m.total_bytes <= capacity for m in memory) and host_bytes <= host_capacity,
@@ -412,10 +417,10 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
     if s.recompute == "none" or s.recompute_layers is not None or not evaluation.fits:
         return evaluation
     # per unit, computed once: the count search below sums them over every prefix of every rank
-    autocast = evaluation.autocast_activations
+    autocast, once = evaluation.autocast_activations, evaluation.block_casts_once
     # (kept without recompute, kept under the policy, held while recomputing the unit)
-    saved = {id(u): (unit_kept_bytes(u, s, "none", cache, autocast)[0], *unit_kept_bytes(u, s, s.recompute, cache,
-                                                                                          autocast))
+    saved = {id(u): (unit_kept_bytes(u, s, "none", cache, autocast, once)[0],
+                     *unit_kept_bytes(u, s, s.recompute, cache, autocast, once))
              for units in stages for u in units}
 
     def keeps(unit: Unit) -> float:

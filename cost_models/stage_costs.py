@@ -151,6 +151,9 @@ class Pricing:
     tp_step: tuple[tuple[str, float], ...] = ()
     selective_repeats: bool = False  # selective recompute resends `recompute_repeats` (a dry run saw it)
     autocast: bool | None = None  # None: where the runtime runs autocast (`autocast_runs`); set by floors
+    # tp > 1 realized by the module rules, which cast a block's input once for all its projections
+    # (`runtime/tensor_parallel/autocast.py`); False: each projection casts its own (DTensor's, unknown)
+    block_casts_once: bool = False
 
     def autocast_runs(self) -> bool:
         """`runs_autocast` for this plan, unless a floor fixes it."""
@@ -183,30 +186,38 @@ class Pricing:
 
 
 def unit_activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
-                          cache: CostCache | None = None, autocast: bool = False, gathered: bool = True) -> float:
+                          cache: CostCache | None = None, autocast: bool = False, gathered: bool = True,
+                          casts_once: bool = False) -> float:
     """Bytes a unit keeps from forward to backward for one micro-batch on one tp rank; `autocast`: at
     autocast's dtypes where the facts count them (`autocast_activations`); `gathered`: under sequence
-    parallelism column-parallel projections keep their gathered inputs (the runtime's; `Strategy.sp_inputs`)."""
+    parallelism column-parallel projections keep their gathered inputs (the runtime's; `Strategy.sp_inputs`);
+    `casts_once`: at tp > 1 the runtime casts a block's input once for all its projections, as the
+    module rules do (`Pricing.block_casts_once`; always under sequence parallelism, which only they run)."""
+    args = (unit, batch, tp, sp, recompute, autocast, gathered, casts_once)
     if cache is None:
-        return _activation_bytes(unit, batch, tp, sp, recompute, autocast, gathered)
-    return cache.get(unit, ("activations", batch, tp, sp, recompute, autocast, gathered),
-                     lambda: _activation_bytes(unit, batch, tp, sp, recompute, autocast, gathered))
+        return _activation_bytes(*args)
+    return cache.get(unit, ("activations", *args[1:]), lambda: _activation_bytes(*args))
 
 
 def unit_kept_bytes(unit: Unit, strategy, policy: str, cache: CostCache | None = None,
-                    autocast: bool = False) -> tuple[float, float]:
+                    autocast: bool = False, casts_once: bool = False) -> tuple[float, float]:
     """(kept from forward to backward, held while it is recomputed) by one unit for one micro-batch on
-    one rank under `policy`: recomputing rebuilds what the policy did not keep."""
+    one rank under `policy`: recomputing rebuilds what the policy did not keep. `casts_once`: as for
+    `unit_activation_bytes`."""
     s = strategy
     b = rank_batch(s)
     shards = keeps_shards(unit, s, policy)  # `regathered`: else what the checkpoint or the head keeps
     gathered = s.sp_inputs == "gathered" or (s.sp_inputs == "regathered" and not shards)
-    kept = unit_activation_bytes(unit, b, s.tp, s.sp, policy, cache, autocast, gathered)
+
+    def counted(recompute: str) -> float:
+        return unit_activation_bytes(unit, b, s.tp, s.sp, recompute, cache, autocast, gathered, casts_once)
+
+    kept = counted(policy)
     if policy == "none":  # kept shards: one block's input gathered again at a time in backward
         return kept, unit_gathered_bytes(unit, b, autocast, largest=True) if shards else 0.0
-    full = unit_activation_bytes(unit, b, s.tp, s.sp, "none", cache, autocast, gathered)
+    full = counted("none")
     if policy == "selective":
-        rebuilt = full - unit_activation_bytes(unit, b, s.tp, s.sp, "selective_saved", cache, autocast, gathered)
+        rebuilt = full - counted("selective_saved")
         if gathered and s.sp and s.tp > 1 and b > 1:
             # recomputing cuts the saved gather into sequences again (a chunk and a cat the policy does
             # not save): a second whole copy while the unit is differentiated
@@ -233,7 +244,7 @@ def unit_gathered_bytes(unit: Unit, batch: int, autocast: bool = False, largest:
 
 
 def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str, autocast: bool = False,
-                      gathered: bool = True) -> float:
+                      gathered: bool = True, casts_once: bool = False) -> float:
     """Full recompute keeps the unit's input. Selective keeps it, what the products save, and every
     output of the projections and fused attention (`OpFacts.output_bytes`), as the runtime's policy
     caches them (`runtime.recompute`), read by backward or not; it recomputes the vector ops,
@@ -251,7 +262,7 @@ def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
     total = 0.0
     for op in unit.forward_ops:
         saved = op.autocast_saved_bytes if counted and op.autocast_saved_bytes is not None else op.saved_bytes
-        if counted and sp and tp > 1 and op.gathered_readers > 1 and op.autocast_gathered_bytes:
+        if counted and (sp or casts_once) and tp > 1 and op.gathered_readers > 1 and op.autocast_gathered_bytes:
             saved -= (op.gathered_readers - 1) * op.autocast_gathered_bytes  # the block casts its input once
         whole = _gathered_part(op, saved, counted) if gathers else 0.0
         if recompute != "none" and op.kind == "vector":
@@ -299,7 +310,7 @@ def part_token(pricing: Pricing, policy: str) -> tuple[str, int]:
     return pricing.cache.token(("part", cluster.gpu.name, pricing.facts.precision, s.microbatch, s.cp, s.tp, s.sp,
                                 policy, s.tp_overlap, pricing.efficiency, cluster.gpus_per_node, cluster.intra_node,
                                 cluster.inter_node, s.compile, compiled, padded, pricing.autocast_runs(),
-                                autocast_activations(pricing), s.sp_inputs))  # it also depends on s.recompute and the facts
+                                autocast_activations(pricing), s.sp_inputs, pricing.block_casts_once))  # it also depends on s.recompute and the facts
 
 
 def _tp_reduce_time_s(pricing: Pricing, total_bytes: float, count: int,
@@ -322,7 +333,7 @@ def _unit_part(pricing: Pricing, unit: Unit, policy: str) -> UnitPart:
     s, cache = pricing.strategy, pricing.cache
     b = rank_batch(s)  # one rank's positions: b/cp sequences' worth
     t = pricing.timed(unit)
-    kept, transient = unit_kept_bytes(unit, s, policy, cache, autocast_activations(pricing))
+    kept, transient = unit_kept_bytes(unit, s, policy, cache, autocast_activations(pricing), pricing.block_casts_once)
     recompute_s = 0.0
     if policy == "full":
         if s.tp == 1:

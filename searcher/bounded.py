@@ -41,7 +41,7 @@ def bounded_quick_evaluations(
     facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *, layers: int,
     rank_key: Callable[[Evaluation], tuple], keep: int, groups: list[Callable[[Strategy], bool]],
     efficiency: Efficiency = DEFAULT_EFFICIENCY, supports: Callable[[Strategy], str | None] | None = None,
-    cache: CostCache | None = None,
+    cache: CostCache | None = None, tp_realization: str | None = None,
 ) -> tuple[list[Evaluation], int, dict[str, int]]:
     """`quick_evaluations` (same arguments, same count and rejections, evaluations in enumeration order)
     less the completions that rank after the first `keep` by `rank_key` and that no group's best can be.
@@ -71,7 +71,7 @@ def bounded_quick_evaluations(
                                  for g in membership[i]):
             continue
         evaluation = evaluate_fitted(facts, cluster, valid[i], global_batch, exact=False, efficiency=efficiency,
-                                     fit=fit_recompute(fixed), cache=cache)
+                                     fit=fit_recompute(fixed), cache=cache, tp_realization=tp_realization)
         if twin is not None and not keeps_some_shards(evaluation, layers):
             continue
         priced[i] = evaluation

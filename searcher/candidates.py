@@ -137,9 +137,10 @@ def completion_values(fixed: dict[str, Any], world_size: int, global_batch: int,
 def quick_evaluations(
     facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], global_batch: int, *, layers: int,
     efficiency: Efficiency = DEFAULT_EFFICIENCY, supports: Callable[[Strategy], str | None] | None = None,
-    overlap_grad_sync: bool = True, cache: CostCache | None = None,
+    overlap_grad_sync: bool = True, cache: CostCache | None = None, tp_realization: str | None = None,
 ) -> tuple[list[Evaluation], int, dict[str, int]]:
     """Every valid completion of `fixed`, costed with the closed-form pipeline estimate.
+    `tp_realization`: `evaluate`'s (the module rules' where the runtime has no other way for this model).
 
     `supports(strategy)` may veto a completion with a reason (the runtime's capability table); it
     sees the strategy under the runtime's implementation profile, since a profile the user fixed
@@ -152,7 +153,8 @@ def quick_evaluations(
     valid, count, rejected = valid_strategies(facts, cluster, fixed, global_batch, layers=layers, supports=supports)
     def quick_one(strategy: Strategy) -> Evaluation:
         return evaluate_fitted(facts, cluster, strategy, global_batch, exact=False, efficiency=efficiency,
-                               overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache)
+                               overlap_grad_sync=overlap_grad_sync, fit=fit_recompute(fixed), cache=cache,
+                               tp_realization=tp_realization)
 
     quick = [quick_one(strategy) for strategy in valid]
     variants = [quick_one(kept_shards(strategy)) for strategy, evaluation in zip(valid, quick)
@@ -280,7 +282,8 @@ def what_if(facts: ModelFacts, cluster: ClusterSpec, fixed: dict[str, Any], glob
 
 def evaluate_fitted(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy, global_batch: int, *,
                     exact: bool, efficiency: Efficiency = DEFAULT_EFFICIENCY,
-                    overlap_grad_sync: bool = True, fit: bool = True, cache: CostCache | None = None) -> Evaluation:
+                    overlap_grad_sync: bool = True, fit: bool = True, cache: CostCache | None = None,
+                    tp_realization: str | None = None) -> Evaluation:
     """`evaluate` on the even layer split, Megatron's head; with `fit`, a strategy that recomputes
     every layer comes back recomputing only the layers each stage needs to fit
     (`with_fewest_recomputed_layers`)."""
@@ -289,7 +292,8 @@ def evaluate_fitted(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy,
 
     def run(trial: Strategy) -> Evaluation:
         return evaluate(facts, cluster, trial, global_batch, exact=exact, efficiency=efficiency, stages=stages,
-                        vocab=head_vocab(facts, trial), overlap_grad_sync=overlap_grad_sync, cache=cache)
+                        vocab=head_vocab(facts, trial), overlap_grad_sync=overlap_grad_sync, cache=cache,
+                        tp_realization=tp_realization)
 
     evaluation = run(strategy)
     return with_fewest_recomputed_layers(evaluation, stages, run, cache) if fit else evaluation

@@ -173,13 +173,17 @@ def _search_once(
     use_ilp = use_ilp and is_runtime_profile(fixed)
     capabilities = megatron_checked(_placements_checked_once(capabilities), graph, facts)
     cache = CostCache()  # unit costs shared by every evaluation of this search
+    # without dry runs the runtime runs tp by the module rules; with them, not known before they run
+    realization = "modules" if capabilities.tp_realization is None else None
     if exhaustive:
         quick, count, rejected = quick_evaluations(facts, cluster, fixed, global_batch, layers=layers,
-                                                   efficiency=efficiency, supports=capabilities.supports, cache=cache)
+                                                   efficiency=efficiency, supports=capabilities.supports, cache=cache,
+                                                   tp_realization=realization)
     else:
         quick, count, rejected = bounded_quick_evaluations(
             facts, cluster, fixed, global_batch, layers=layers, rank_key=_rank_key, keep=REFINE_TOP,
-            groups=compared_groups(facts, cluster), efficiency=efficiency, supports=capabilities.supports, cache=cache)
+            groups=compared_groups(facts, cluster), efficiency=efficiency, supports=capabilities.supports, cache=cache,
+            tp_realization=realization)
     quick.sort(key=_rank_key)
 
     refiner = Refiner(graph, facts, cluster, global_batch, efficiency, use_ilp, fixed, capabilities, cache)
@@ -190,7 +194,8 @@ def _search_once(
     ranked.sort(key=lambda c: _rank_key(c.evaluation))
     best = ranked[0] if ranked[0].evaluation.fits else None
     why_not = why_not_rows(ranked, quick, facts, cluster, global_batch, efficiency, best, fixed=fixed,
-                           layers=layers, runners_up=top_k - 1, supports=capabilities.supports, cache=cache)
+                           layers=layers, runners_up=top_k - 1, supports=capabilities.supports, cache=cache,
+                           tp_realization=realization)
     return SearchResult(
         best=best, ranked=ranked[:top_k], why_not=why_not, candidates=count, rejected=rejected,
         search_s=time.perf_counter() - started, ilp_variables=refiner.ilp_variables,
@@ -414,7 +419,8 @@ class Refiner:
                                s.microbatch, s.recompute)
         units = [layout.units[unit.name] for unit in self.facts.units]
         candidate = self._refine_with(s, units, op_placements, planned, repeats=layout.recompute_repeats,
-                                      tp_step=layout.step, selective_repeats=layout.selective_repeats)
+                                      tp_step=layout.step, selective_repeats=layout.selective_repeats,
+                                      tp_realization=realization.name)
         return dataclasses.replace(candidate, tp_realization=realization.name, tp_layout=layout,
                                    tp_notes=realization.notes)
 
@@ -436,9 +442,10 @@ class Refiner:
         return self.cache[key]
 
     def _refine_with(self, strategy: Strategy, units, op_placements, param_placements, *, vocab=None,
-                     repeats=None, tp_step=(), selective_repeats=False) -> Candidate:
+                     repeats=None, tp_step=(), selective_repeats=False, tp_realization="modules") -> Candidate:
         """Evaluated on the even split and on the DP's partition, each with the fewest recomputed
-        layers that fit it (counts fitted on the quick ranking's estimate are fitted again here)."""
+        layers that fit it (counts fitted on the quick ranking's estimate are fitted again here).
+        `tp_realization`: how the runtime will run its tp (the module rules but where a dry run said DTensor)."""
         facts = dataclasses.replace(self.facts, units=tuple(units))
         fit = fit_recompute(self.fixed)
         strategy = unfitted(strategy, self.fixed)
@@ -447,7 +454,7 @@ class Refiner:
             def run(trial: Strategy) -> Evaluation:
                 return evaluate(facts, self.cluster, trial, self.global_batch, efficiency=self.efficiency,
                                 stages=stages, vocab=vocab, recompute_repeats=repeats, cache=self.cost_cache,
-                                tp_step=tp_step, selective_repeats=selective_repeats)
+                                tp_step=tp_step, selective_repeats=selective_repeats, tp_realization=tp_realization)
             return with_fewest_recomputed_layers(run(strategy), stages, run, self.cost_cache) if fit else run(strategy)
 
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
@@ -484,7 +491,8 @@ class Refiner:
                         comm += count * collective_time_s("all_reduce", total / count, tp_layout, self.cluster)
             recompute = t.forward_s if (s.recompute == "full" and unit.layer_type) else 0.0
             policy = s.recompute if unit.layer_type else "none"
-            kept, transient = unit_kept_bytes(unit, s, policy, self.cost_cache, counted)
+            # pipeline stages run the module rules only: a block's input cast once at tp > 1
+            kept, transient = unit_kept_bytes(unit, s, policy, self.cost_cache, counted, casts_once=s.tp > 1)
             # a tied weight's copy on another rank (the head's of the embedding), as `evaluate` adds it
             copies = sum(elements / (s.tp if sharded else 1) for _, elements, sharded in unit.borrowed) \
                 if s.pp > 1 else 0.0

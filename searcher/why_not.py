@@ -50,9 +50,11 @@ class WhyNot:
 
 def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, cluster: ClusterSpec, global_batch: int,
                  efficiency: Efficiency, best, *, fixed: dict[str, Any], layers: int, runners_up: int = 4,
-                 supports: Callable[[Strategy], str | None] | None = None, cache=None) -> list[WhyNot]:
+                 supports: Callable[[Strategy], str | None] | None = None, cache=None,
+                 tp_realization: str | None = None) -> list[WhyNot]:
     """`ranked`: the refined candidates, best first (a row for each of the first `runners_up` after
-    the first); `quick`: every valid completion, ranked; `cache`: the search's unit-cost cache."""
+    the first); `quick`: every valid completion, ranked; `cache`: the search's unit-cost cache;
+    `tp_realization`: `evaluate`'s, as the search priced its completions."""
     reference = best.evaluation if best else ranked[0].evaluation
     fitted = fit_recompute(fixed)
     rows: list[WhyNot] = []
@@ -77,12 +79,12 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
             choice, batch = _best_of(members).strategy, global_batch
         else:
             choice, batch, without, rule = _family_on_its_own(degrees, fixed, facts, cluster, global_batch,
-                                                              efficiency, layers, supports, cache)
+                                                              efficiency, layers, supports, cache, tp_realization)
             if choice is None:
                 _add(rows, seen, WhyNot(label, None, f"not possible here: {rule}"), fitted)
                 continue
-        exact = evaluate(facts, cluster, choice, batch, efficiency=efficiency,
-                         vocab=head_vocab(facts, choice), cache=cache)  # as `refine` prices Megatron
+        exact = evaluate(facts, cluster, choice, batch, efficiency=efficiency, vocab=head_vocab(facts, choice),
+                         cache=cache, tp_realization=tp_realization)  # as `refine` prices Megatron
         _add(rows, seen, _priced(label, exact, reference, without=without, batch_rule=rule), fitted)
     return rows
 
@@ -144,8 +146,8 @@ def _add(rows: list[WhyNot], seen: dict[Any, WhyNot | None], row: WhyNot, fitted
 
 
 def _family_on_its_own(degrees: dict[str, int], fixed: dict[str, Any], facts: ModelFacts, cluster: ClusterSpec,
-                       global_batch: int, efficiency: Efficiency, layers: int, supports, cache=None
-                       ) -> tuple[Strategy | None, int, str, str]:
+                       global_batch: int, efficiency: Efficiency, layers: int, supports, cache=None,
+                       tp_realization: str | None = None) -> tuple[Strategy | None, int, str, str]:
     """The best strategy of a family the ranked completions hold none of: (strategy, batch, the
     --strategy keys it contradicts, the rule that excludes it at the asked batch).
 
@@ -163,7 +165,7 @@ def _family_on_its_own(degrees: dict[str, int], fixed: dict[str, Any], facts: Mo
     for batch in [global_batch] + larger[:2]:
         try:
             quick, _, _ = quick_evaluations(facts, cluster, keys, batch, layers=layers, efficiency=efficiency,
-                                            supports=supports, cache=cache)
+                                            supports=supports, cache=cache, tp_realization=tp_realization)
         except AutoparError:
             rule = rule or _commonest_rule(keys, facts, cluster, batch, layers, supports)
             continue
