@@ -117,8 +117,11 @@ def _run(args: RunConfig, env: Environment) -> int:
     args.check()
     check_profile_outputs(args)
     fixed = parse_strategy(args.strategy)
-    if args.compile and args.plan is None:
-        fixed.setdefault("compile", True)  # searched and priced with compile (the strategy's `compile` key)
+    # --compile/--no-compile: searched and priced so (the strategy's `compile` key wins); neither, on a
+    # GPU: searched both ways, the faster kept (`search_plan`)
+    choose_compile = args.compile is None and "compile" not in fixed and _on_gpu()
+    if args.compile is not None and args.plan is None:
+        fixed.setdefault("compile", args.compile)
     cluster = planning_cluster(args.cluster, env.world_size) if args.cluster else None
     if args.plan is None and cluster is None:
         raise AutoparError("give --plan PATH, or --cluster (e.g. --cluster local) to search a plan for this run")
@@ -133,7 +136,8 @@ def _run(args: RunConfig, env: Environment) -> int:
     else:
         if args.global_batch is None:
             raise AutoparError("--global-batch is needed to search a plan (samples per optimizer step)")
-        plan = search_plan(spec, example, cluster, fixed, args.global_batch, seq_len, precision, env)
+        plan = search_plan(spec, example, cluster, fixed, args.global_batch, seq_len, precision, env,
+                           choose_compile=choose_compile)
         global_batch = args.global_batch
 
     batch = batch_text(spec, example, global_batch, seq_len)
@@ -167,14 +171,16 @@ def _model_input(spec, seq_len: int):
 
 
 def _default_precision() -> str:
+    return "bf16" if _on_gpu() else "fp32"
+
+
+def _on_gpu() -> bool:
     import torch
 
-    return "bf16" if torch.cuda.is_available() else "fp32"
+    return torch.cuda.is_available()
 
 
 def _train(args, env: Environment, launch: Launch) -> int:
-    import torch
-
     from autopar.runtime.launch import init_process_group
     from autopar.runtime.parallelize import parallelize
 
@@ -183,7 +189,7 @@ def _train(args, env: Environment, launch: Launch) -> int:
     data = checkpointer = None
     try:
         parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, seed=args.seed, precision=precision,
-                               compile=args.compile or plan.strategy.compile)
+                               compile=plan.strategy.compile if args.compile is None else args.compile)
         device = parallel.layout.device
         optimizer = parallel.build_optimizer(args.lr)
         data = launch.data.open(parallel)
@@ -205,7 +211,7 @@ def _train(args, env: Environment, launch: Launch) -> int:
             if peak:
                 print(_mfu_basis_text(launch.cluster, precision, device.type, nominal), flush=True)
             print("runtime: " + "; ".join(f"{k} {v}" for k, v in parallel.optimizations.items()), flush=True)
-            if args.compile and not plan.strategy.compile:
+            if args.compile is True and not plan.strategy.compile:
                 print("note: the plan was priced without compile; `autopar plan --strategy compile=true` prices it",
                       flush=True)
         loop = TrainingLoop(args, env, parallel, optimizer, data, checkpointer, plan,

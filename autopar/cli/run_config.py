@@ -49,7 +49,9 @@ class RunConfig(BaseModel):
     profile_dir: str = "autopar-profile"
     report: str | None = None
     dry_run: bool = False
-    compile: bool = False  # torch.compile each transformer block (runtime/compile.py)
+    # torch.compile the stage or its blocks (runtime/compile.py); None: on a GPU, a searched plan compiles
+    # where the cost model predicts it faster (`run_plan.search_plan`), and eager elsewhere
+    compile: bool | None = None
 
     def json_record(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
@@ -190,9 +192,9 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--report", metavar="PATH",
                      help="with --profile-steps: append the comparison to this `autopar plan --report` page")
     run.add_argument("--dry-run", action="store_true", help="print the plan and its prediction, train nothing")
-    run.add_argument("--compile", action="store_true",
-                     help="torch.compile each transformer block's forward (faster steps after a one-time "
-                     "compile)")
+    run.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                     help="torch.compile the model (faster steps after a one-time compile; default: on a GPU, "
+                     "when the searched plan predicts it faster)")
     for action in run._actions:  # set_defaults would store the SUPPRESS marker itself as a value
         if action.dest != "help":
             action.default = argparse.SUPPRESS

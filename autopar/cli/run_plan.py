@@ -60,12 +60,14 @@ def plan_global_batch(plan, requested: int | None) -> int:
 
 
 def search_plan(spec, example, cluster, fixed: dict[str, Any], global_batch: int, seq_len: int, precision: str,
-                env):
-    """`autopar.plan` on the model's example input (one sample) and loss, as `autopar plan` calls it.
+                env, choose_compile: bool = False):
+    """`autopar.plan` on the model's example input (one sample) and loss, as `autopar plan` calls it;
+    `choose_compile`: searched eager and compiled, the plan predicted faster kept (`chosen_compile`).
     Under torchrun only rank 0 searches (dry runs and the solver run once, not once per process) and
     broadcasts the plan, or its one-line refusal, which every rank then raises."""
+    search = chosen_compile if choose_compile else _searched_plan
     if env.world_size == 1:
-        return _searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision, say=_to_stderr)
+        return search(spec, example, cluster, fixed, global_batch, seq_len, precision, say=_to_stderr)
     import torch.distributed as dist
 
     from autopar.plan_schema import Plan
@@ -77,8 +79,8 @@ def search_plan(spec, example, cluster, fixed: dict[str, Any], global_batch: int
     try:
         if env.rank == 0:
             try:
-                outcome = [_searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision,
-                                          say=_to_stderr).to_json(), None, 0]
+                outcome = [search(spec, example, cluster, fixed, global_batch, seq_len, precision,
+                                  say=_to_stderr).to_json(), None, 0]
             except AutoparError as error:
                 outcome = [None, str(error), error.exit_code]
     finally:  # also when rank 0's search raised something else: the others then stop with one line
@@ -101,6 +103,31 @@ def _searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precisi
     if not result.fits:
         raise AutoparError(f"{result.no_fit_reason()}; see `autopar plan` for the alternatives", exit_code=3)
     return result.plan
+
+
+def chosen_compile(spec, example, cluster, fixed, global_batch, seq_len, precision, say):
+    """The faster predicted of the plans searched eager and compiled (`autopar run` on a GPU without
+    --compile/--no-compile): compile pays where its fused kernels save more than nothing, which the cost
+    model prices (`cost_models.compiled_stage`), and some layouts only run eager (tp through DTensor).
+    The eager search's refusal stands when neither fits."""
+    plans, refusal = {}, None
+    for compiled in (False, True):
+        try:
+            asked = {**fixed, "compile": True} if compiled else fixed  # eager: as asked, so is its refusal
+            plans[compiled] = _searched_plan(spec, example, cluster, asked, global_batch, seq_len, precision, say)
+        except AutoparError as error:
+            refusal = refusal or error
+    if not plans:
+        raise refusal
+    times = {compiled: plan.predicted.step_time_s for compiled, plan in plans.items()}
+    chosen = min(plans, key=lambda compiled: (times[compiled], compiled))  # a tie: eager, nothing to compile
+    if len(plans) == 2:
+        say(f"compile {'on' if chosen else 'off'}: predicted {times[True] * 1e3:.4g} ms a step compiled, "
+            f"{times[False] * 1e3:.4g} ms eager (--compile/--no-compile decide instead)")
+    else:
+        say(f"compile {'on' if chosen else 'off'}: the {'eager' if chosen else 'compiled'} search found no plan "
+            f"({refusal})")
+    return plans[chosen]
 
 
 def strategy_text(s) -> str:
