@@ -75,9 +75,12 @@ class OpFacts:
     gathered_bytes: float = 0.0
     autocast_gathered_bytes: float | None = None
     # How many projections read those outputs. Under autocast each casts its own 16-bit copy, and
-    # `autocast_saved_bytes` keeps them all; under sequence parallelism the runtime's block casts its
-    # input once for all of them (`module_rules._BlockInput`; measured: tests/test_tp_memory.py).
+    # `autocast_saved_bytes` keeps them all; the module rules cast a block's input once for all of a
+    # module's projections (`module_rules._BlockInput`; measured: tests/test_tp_memory.py), so one copy
+    # per module that reads them: `gathered_blocks` (a parallel block's shared norm feeds two, attention
+    # and MLP). Under sequence parallelism each of those modules gathers its own copy too.
     gathered_readers: int = 0
+    gathered_blocks: int = 0
 
     def reduce_bytes_for(self, batch: float, share: float = 1.0) -> float:
         """`share`: of each sequence's positions, the rank's (1/cp under context parallelism): a
@@ -244,10 +247,10 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
         if autocast_dtypes and node.phase == "forward":
             op = dataclasses.replace(op, autocast_saved_bytes=saved_under_autocast.get(node.name, 0.0) * per_sample)
         if node.name in gathered:
-            traced_bytes, autocast_copies, readers = gathered[node.name]
+            traced_bytes, autocast_copies, readers, blocks = gathered[node.name]
             op = dataclasses.replace(op, gathered_bytes=traced_bytes * per_sample,
                                      autocast_gathered_bytes=autocast_copies * per_sample if autocast_dtypes else None,
-                                     gathered_readers=readers)
+                                     gathered_readers=readers, gathered_blocks=blocks)
         ops_by_unit.setdefault(unit_of[node.name], []).append(op)
     order = list(dict.fromkeys(unit_of[n.name] for n in graph.nodes if n.phase == "forward"))
     order += [name for name in ops_by_unit if name not in order]
@@ -360,8 +363,9 @@ def weight_gradient_ops(graph: OpGraph) -> set[str]:
 
 
 def gathered_input_bytes(graph: OpGraph, status: dict, autocast_dtypes: dict[str, list[str]]
-                         ) -> dict[str, tuple[float, float, int]]:
-    """Per forward node, (traced bytes, bytes under autocast, projections reading them) of its outputs that a column-parallel
+                         ) -> dict[str, tuple[float, float, int, int]]:
+    """Per forward node, (traced bytes, bytes under autocast, projections reading them, the modules those
+    belong to: one `_BlockInput` each under the module rules) of its outputs that a column-parallel
     projection reads: a forward product with a weight whose output tp shards (`status`). Under sequence
     parallelism the runtime all-gathers such an input whole for the projection, and the projection keeps
     the gathered tensor for its weight's gradient (under selective recompute too: the gather's output is
@@ -389,10 +393,11 @@ def gathered_input_bytes(graph: OpGraph, status: dict, autocast_dtypes: dict[str
             if base in producer and producer[base].phase == "forward" and meta.dtype in FLOATING:
                 read.setdefault((base, tuple(meta.shape)), meta)
                 readers.setdefault(base, set()).add(node.name)
-    result: dict[str, tuple[float, float, int]] = {}
+    result: dict[str, tuple[float, float, int, int]] = {}
     for (base, _), meta in read.items():
-        traced, autocast, _ = result.get(base, (0.0, 0.0, 0))
-        result[base] = (traced + meta.bytes, autocast + meta.numel * low, len(readers[base]))
+        traced, autocast, _, _ = result.get(base, (0.0, 0.0, 0, 0))
+        blocks = {producer[reader].module_path.rpartition(".")[0] for reader in readers[base]}
+        result[base] = (traced + meta.bytes, autocast + meta.numel * low, len(readers[base]), len(blocks))
     return result
 
 

@@ -226,20 +226,27 @@ def unit_kept_bytes(unit: Unit, strategy, policy: str, cache: CostCache | None =
     return kept, full
 
 
-def _gathered_part(op: OpFacts, saved: float, counted: bool) -> float:
-    """Of `saved` (per sample), what column-parallel projections gathered (`OpFacts.gathered_bytes`)."""
-    gathered = op.autocast_gathered_bytes if counted and op.autocast_gathered_bytes is not None else op.gathered_bytes
-    return min(saved, gathered)
+def _gathered_part(op: OpFacts, saved: float, counted: bool) -> tuple[float, float]:
+    """(of `saved`, per sample, what column-parallel projections gathered; what they keep whole): each
+    module reading it gathers its own copy (`OpFacts.gathered_blocks`). Under autocast `saved` holds one
+    16-bit copy per module already (`_activation_bytes`); the trace holds the tensor once."""
+    blocks = max(op.gathered_blocks, 1)
+    if counted and op.autocast_gathered_bytes is not None:
+        part = min(saved, blocks * op.autocast_gathered_bytes)
+        return part, part
+    part = min(saved, op.gathered_bytes)
+    return part, part * blocks
 
 
 def unit_gathered_bytes(unit: Unit, batch: int, autocast: bool = False, largest: bool = False) -> float:
     """A unit's gathered inputs whole, for one micro-batch on one rank (sequence parallelism); `largest`:
-    the largest one alone."""
+    the largest one alone (one module's copy)."""
     counted = autocast and unit.autocast_input_bytes is not None
     parts = [0.0]
     for op in unit.forward_ops:
         saved = op.autocast_saved_bytes if counted and op.autocast_saved_bytes is not None else op.saved_bytes
-        parts.append(_gathered_part(op, saved, counted) * batch)
+        whole = _gathered_part(op, saved, counted)[1] * batch
+        parts.append(whole / max(op.gathered_blocks, 1) if largest else whole)
     return max(parts) if largest else sum(parts)
 
 
@@ -262,16 +269,18 @@ def _activation_bytes(unit: Unit, batch: int, tp: int, sp: bool, recompute: str,
     total = 0.0
     for op in unit.forward_ops:
         saved = op.autocast_saved_bytes if counted and op.autocast_saved_bytes is not None else op.saved_bytes
-        if counted and (sp or casts_once) and tp > 1 and op.gathered_readers > 1 and op.autocast_gathered_bytes:
-            saved -= (op.gathered_readers - 1) * op.autocast_gathered_bytes  # the block casts its input once
-        whole = _gathered_part(op, saved, counted) if gathers else 0.0
+        blocks = max(op.gathered_blocks, 1)
+        if counted and (sp or casts_once) and tp > 1 and op.gathered_readers > blocks and op.autocast_gathered_bytes:
+            # each module casts its input once for all of its projections
+            saved -= (op.gathered_readers - blocks) * op.autocast_gathered_bytes
+        part, whole = _gathered_part(op, saved, counted) if gathers else (0.0, 0.0)
         if recompute != "none" and op.kind == "vector":
             total += whole * batch  # the gather's output: selective recompute saves it
             continue
         if recompute == "selective":
             saved = max(saved, op.output_bytes)
         if saved:
-            total += (saved - whole) * batch / (tp if (op.saved_sharded or sp) else 1) + whole * batch
+            total += (saved - part) * batch / (tp if (op.saved_sharded or sp) else 1) + whole * batch
     if recompute != "none":
         total += kept_input
     return total

@@ -26,7 +26,7 @@ class QueuedScalar:
             self._host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tensor.device))  # the stream the copy went on
         else:  # on the host (or a device torch has no events for): read now, as `.item()` did
             self._value = float(tensor.item()) / divisor
 
@@ -41,8 +41,11 @@ class QueuedScalar:
 
 
 def batch_to_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch on `device`; from the host to a GPU through pinned memory, without blocking (the
-    caching host allocator reuses the pinned block only once the copy is done)."""
+    """A batch on `device`; from the host to a GPU through a pinned copy of its own, without blocking:
+    the caching host allocator reuses that block only once the copy is done, and a caller's own pinned
+    buffer (`pin_memory()` would return it as it is) stays free to refill at once."""
     if device.type != "cuda" or rows.device.type != "cpu":
         return rows.to(device)
-    return rows.pin_memory().to(device, non_blocking=True)
+    staged = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    staged.copy_(rows)
+    return staged.to(device, non_blocking=True)

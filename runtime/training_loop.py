@@ -135,6 +135,7 @@ class TrainingLoop:
         self.tokens_per_step, self.data_name = tokens_per_step, data_name
         self.save_prediction = None
         self._save_predicted = False
+        self.stopped = False  # a SIGTERM on any rank stopped the last `loop` (every rank agrees)
 
     def step(self):
         """One optimizer step of `ParallelModel.queued_train_step` on the next batch; its mean loss, queued."""
@@ -250,6 +251,7 @@ class TrainingLoop:
             if state["stopping"]:
                 saved = "checkpoint saved" if self.checkpointer is not None else "no --checkpoint-dir, nothing saved"
                 reporter.say(f"SIGTERM: stopped after step {step} ({saved})")
+                self.stopped = True
                 return step
             if logs:  # the next interval starts after any save
                 started = time.perf_counter()

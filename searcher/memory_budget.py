@@ -13,7 +13,8 @@ memory check can accept. Without ZeRO that is the runtime's autocast over fp32 w
 per parameter (fp32 and its bf16 copy), the moments, and fp32 gradients where micro-batches
 accumulate them (`unsharded_state_bytes_per_param`); each op's saved bytes at autocast's dtypes
 (`OpFacts.autocast_saved_bytes`: the fp32 residual at twice its traced bytes, each projection's
-16-bit cast), autocast's 40/32 on the traced bytes where the evaluator does not count them op by op,
+16-bit cast, where the evaluator counts one per module under the module rules: over, on the safe
+side), autocast's 40/32 on the traced bytes where the evaluator does not count them op by op,
 or min-cut's for a stage compiled whole (`activation_terms`); the buffers beside them
 (`buffer_bytes`); and the allocator's slack on all of it (`memory.fragmentation`). The evaluator's
 peak is the larger of the backward's (states and activations) and the optimizer step's (states and

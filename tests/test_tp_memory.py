@@ -113,13 +113,17 @@ def alive_per_layer(job: dict) -> dict[str, int]:
     from autopar.plan_schema import Plan
     from autopar.runtime.parallelize import parallelize
 
-    spec = build_model("gpt", job["overrides"])
-    parallel = parallelize(spec.module, Plan.from_json(job["plan"]), loss_fn=spec.loss_fn, seed=0,
+    if job.get("family") == "gptj":
+        model, loss_fn, layers = gptj(), gptj_loss, "transformer.h."
+    else:
+        spec = build_model("gpt", job["overrides"])
+        model, loss_fn, layers = spec.module, spec.loss_fn, "layers."
+    parallel = parallelize(model, Plan.from_json(job["plan"]), loss_fn=loss_fn, seed=0,
                            precision=job.get("precision", "fp32"))
     module = parallel.modules[0]
     running = ["other"]
     for name, child in module.named_modules():
-        if name.startswith("layers.") and name.count(".") == 1:
+        if name.startswith(layers) and name.count(".") == layers.count("."):
             child.register_forward_pre_hook(lambda m, args, name=name: running.__setitem__(0, name))
             child.register_forward_hook(lambda m, args, out: running.__setitem__(0, "other"))
     parameters = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage()._cdata for p in module.parameters()}
@@ -129,6 +133,23 @@ def alive_per_layer(job: dict) -> dict[str, int]:
     with tracker.mode():
         parallel.forward_backward(local)
     return tracker.alive
+
+
+def gptj() -> torch.nn.Module:
+    """A tiny Hugging Face GPT-J: a parallel block, whose one norm feeds attention and MLP alike."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTJConfig(vocab_size=CONFIG["vocab"], n_embd=CONFIG["hidden"], n_head=CONFIG["heads"],
+                                     rotary_dim=4, n_layer=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, use_cache=False, attn_implementation="eager", bos_token_id=0,
+                                     eos_token_id=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.GPTJForCausalLM(config)
+
+
+def gptj_loss(output, ids: torch.Tensor) -> torch.Tensor:
+    logits = output.logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
 @pytest.fixture(scope="module")
@@ -366,3 +387,34 @@ def test_the_search_counts_one_cast_only_where_the_module_rules_run(family, real
     assert extra > 0  # q, k and v read one norm's output
     difference = activations(None) - chosen.memory[0].activations
     assert difference == pytest.approx(extra if realization == "modules" else 0.0, abs=1.0)
+
+
+def test_a_parallel_block_keeps_one_cast_per_module_reading_its_norm():
+    """GPT-J's one norm feeds attention's q, k, v and the MLP's input projection: the module rules cast
+    it once per module, two copies (a review found them counted as one). Measured under bf16 autocast
+    on one process and on two gloo ranks at tp = 2: the model counts GPT-J's layer over by a sharded
+    part at tp = 1 (its attention), which halves at tp = 2, and nothing else: counting one copy, or
+    four, would miss that by one 16-bit copy of the norm's output, or add two. (With sp GPT-J's dry
+    run fails, so the search offers it none.)"""
+    import autopar
+    from autopar.cost_models.stage_costs import unit_kept_bytes
+
+    over = {}
+    for tp in (1, 2):
+        result = autopar.plan(gptj(), (torch.zeros(1, CONFIG["seq_len"], dtype=torch.long, device="meta"),),
+                              cluster=autopar.load_cluster("dgx-h100", gpus=tp), global_batch=MICROBATCH,
+                              strategy=dict(dp=1, tp=tp, pp=1, zero=0, recompute="none", microbatch=MICROBATCH),
+                              loss_fn=gptj_loss, precision="bf16", name="gptj", seq_len=CONFIG["seq_len"],
+                              heads=CONFIG["heads"], vocab=CONFIG["vocab"], use_ilp=False)
+        assert tp == 1 or result.plan.tp_realization == "modules"
+        layers = [unit for unit in result.facts.units if unit.layer_type is not None]
+        norm = next(op for op in layers[0].forward_ops if op.gathered_readers)
+        assert (norm.gathered_readers, norm.gathered_blocks) == (4, 2)
+        (ranks,) = run_plans(tp, [dict(plan=result.plan.to_json(), family="gptj", precision="bf16")],
+                             runner=alive_per_layer)
+        over[tp] = [unit_kept_bytes(layer, result.plan.strategy, "none", autocast=True, casts_once=True)[0]
+                    - kept[layer.name] for kept in ranks for layer in layers]
+    copy = MICROBATCH * CONFIG["seq_len"] * CONFIG["hidden"] * 2
+    assert min(over[1]) > 2 * copy  # the sharded part the model over-counts on one process
+    for difference in over[2]:
+        assert difference == pytest.approx(over[1][0] / 2, rel=0.01)

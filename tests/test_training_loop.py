@@ -114,8 +114,9 @@ def test_a_stop_seen_one_step_late_stops_and_saves_after_the_next_step():
     stop, saves = StopRequest(), _Saves()
     parallel = _Parallel(stop=stop, stop_at=2)
     reporter = _Reporter()
-    assert _loop(parallel, checkpointer=saves).loop(1, 10, stop, reporter, 1, None, False) == 3
-    assert saves.steps == [3] and reporter.lines[-1].startswith("SIGTERM: stopped after step 3")
+    loop = _loop(parallel, checkpointer=saves)
+    assert not loop.stopped and loop.loop(1, 10, stop, reporter, 1, None, False) == 3
+    assert loop.stopped and saves.steps == [3] and reporter.lines[-1].startswith("SIGTERM: stopped after step 3")
     assert max(step for kind, step in parallel.events if kind == "queued") == 3
 
 

@@ -33,7 +33,9 @@ def train_with_profile(loop, first_step: int, stop, reporter, num_params: int, p
     """Warm-up step, N profiled steps, then the rest; stops early on SIGTERM like the plain loop."""
     config = loop.config
     last = config.steps
-    if loop.loop(first_step, first_step, stop, reporter, num_params, peak, nominal) < first_step or stop.requested:
+    # `loop.stopped`, not this rank's own flag: every rank must agree, or one waits in `_profiled`'s barrier
+    loop.loop(first_step, first_step, stop, reporter, num_params, peak, nominal)
+    if loop.stopped:
         return
     window_start = first_step + 1
     window_end = min(first_step + config.profile_steps, last)
@@ -42,7 +44,7 @@ def train_with_profile(loop, first_step: int, stop, reporter, num_params: int, p
         return
     measured, trained = _profiled(loop, window_start, window_end, stop, reporter, num_params, peak, nominal)
     _report(loop, measured, reporter)
-    if trained == window_end and not stop.requested and window_end < last:
+    if trained == window_end and not loop.stopped and window_end < last:
         loop.loop(window_end + 1, last, stop, reporter, num_params, peak, nominal)
 
 
