@@ -77,8 +77,10 @@ class OpFacts:
     # How many projections read those outputs. Under autocast each casts its own 16-bit copy, and
     # `autocast_saved_bytes` keeps them all; the module rules cast a block's input once for all of a
     # module's projections (`module_rules._BlockInput`; measured: tests/test_tp_memory.py), so one copy
-    # per module that reads them: `gathered_blocks` (a parallel block's shared norm feeds two, attention
-    # and MLP). Under sequence parallelism each of those modules gathers its own copy too.
+    # per module that reads them as its input: `gathered_blocks`, the copies kept (a parallel block's
+    # shared norm feeds two modules, attention and MLP; projections reading another tensor, such as
+    # cross attention's encoder states, one copy each). Under sequence parallelism each module gathers
+    # its own copy too.
     gathered_readers: int = 0
     gathered_blocks: int = 0
 
@@ -384,20 +386,29 @@ def gathered_input_bytes(graph: OpGraph, status: dict, autocast_dtypes: dict[str
 
     low = 2  # bytes of a 16-bit copy
     read: dict[tuple[str, tuple], TensorMeta] = {}
-    readers: dict[str, set[str]] = {}
+    readers: dict[str, dict[str, list[str]]] = {}  # base -> module -> its projections reading it
+    module_input: dict[str, str] = {}  # module -> what its first projection reads: the input it casts
     for node in graph.nodes:
         if node.phase != "forward" or not node.flops or not node.params or status[node.name][0] != "S":
             continue
+        module = node.module_path.rpartition(".")[0]  # where the module rules put the block's `_BlockInput`
         for name, meta in zip(node.input_names, node.input_meta):
             base = root(name)
             if base in producer and producer[base].phase == "forward" and meta.dtype in FLOATING:
                 read.setdefault((base, tuple(meta.shape)), meta)
-                readers.setdefault(base, set()).add(node.name)
+                names = readers.setdefault(base, {}).setdefault(module, [])
+                if node.name not in names:
+                    names.append(node.name)
+                module_input.setdefault(module, base)
     result: dict[str, tuple[float, float, int, int]] = {}
     for (base, _), meta in read.items():
         traced, autocast, _, _ = result.get(base, (0.0, 0.0, 0, 0))
-        blocks = {producer[reader].module_path.rpartition(".")[0] for reader in readers[base]}
-        result[base] = (traced + meta.bytes, autocast + meta.numel * low, len(readers[base]), len(blocks))
+        by_module = readers[base]
+        # a module casts its own input once for all its projections; what else they read (cross
+        # attention's encoder states) each projection casts for itself
+        copies = sum(1 if module_input[module] == base else len(names) for module, names in by_module.items())
+        result[base] = (traced + meta.bytes, autocast + meta.numel * low,
+                        sum(len(names) for names in by_module.values()), copies)
     return result
 
 

@@ -69,3 +69,25 @@ def test_the_flag_parses_three_ways():
     values = [run_config(parser.parse_args(["--model", "gpt", "--steps", "1", *flag])).compile
               for flag in ([], ["--compile"], ["--no-compile"])]
     assert values == [None, True, False]
+
+
+def test_a_compile_flag_that_contradicts_the_strategy_or_the_plan_is_refused_first(capsys, tmp_path, monkeypatch):
+    """One line, exit 2, before any search or process group: --no-compile against --strategy
+    compile=true, and against a plan priced compiled."""
+    from autopar.cli import main
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    model = ["--model", "gpt", "--model-config", "layers=2,hidden=32,heads=4,vocab=64,seq_len=16"]
+    plan = tmp_path / "compiled.json"
+    assert main(["plan", *model, "--cluster", "dgx-h100", "--gpus", "1", "--global-batch", "4",
+                 "--strategy", "compile=true", "--save-plan", str(plan)]) == 0
+    capsys.readouterr()
+    for argv, words in (
+            ([*model, "--cluster", "local", "--global-batch", "4", "--steps", "1", "--strategy", "compile=true",
+              "--no-compile"], "--no-compile disagrees with --strategy compile=true: drop one"),
+            ([*model, "--plan", str(plan), "--steps", "1", "--no-compile"],
+             f"plan {plan} was priced compiled")):
+        assert main(["run", *argv]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("autopar: error: ") and words in lines[0], lines

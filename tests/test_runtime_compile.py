@@ -244,7 +244,7 @@ def test_autopar_run_compile_matches_the_uncompiled_run(_clean_env, tmp_path):
     train = ["run", "--model", "gpt", "--model-config", tiny, "--global-batch", str(GLOBAL_BATCH), "--lr", "3e-3",
              "--seed", "7", "--data", "synthetic", "--cluster", "local", "--steps", "4", "--log-every", "1"]
     losses = {}
-    for label, extra in (("eager", []), ("compiled", ["--compile"])):
+    for label, extra in (("eager", ["--no-compile"]), ("compiled", ["--compile"])):
         metrics = tmp_path / f"{label}.jsonl"
         torch._dynamo.reset()
         graphs_before = counters["stats"]["unique_graphs"]

@@ -418,3 +418,41 @@ def test_a_parallel_block_keeps_one_cast_per_module_reading_its_norm():
     assert min(over[1]) > 2 * copy  # the sharded part the model over-counts on one process
     for difference in over[2]:
         assert difference == pytest.approx(over[1][0] / 2, rel=0.01)
+
+
+def test_what_a_module_reads_beside_its_input_is_cast_per_projection():
+    """A cross-attention block's q reads the decoder stream, which the module rules cast once for
+    the module, and its k and v read the encoder's output, which each casts for itself: counted so
+    (`OpFacts.gathered_blocks`, a review's finding), per reading module, never one copy for all."""
+    from autopar.cost_models.facts import model_facts
+    from autopar.graph import trace
+
+    class CrossBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(16, 16) for _ in range(3))
+            self.o = torch.nn.Linear(16, 16)
+
+        def forward(self, x, memory):
+            scores = self.q(x) @ self.k(memory).transpose(1, 2)
+            return self.o(scores.softmax(-1) @ self.v(memory))
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.LayerNorm(16)
+            self.decoder = torch.nn.LayerNorm(16)
+            self.blocks = torch.nn.ModuleList(CrossBlock() for _ in range(2))
+
+        def forward(self, x):
+            memory, h = self.encoder(x), self.decoder(x)
+            for block in self.blocks:
+                h = h + block(h, memory)
+            return h
+
+    graph = trace(Model(), (torch.randn(2, 4, 16),), loss_fn=lambda out, x: out.pow(2).mean(), precision="bf16")
+    ops = {op.name: op for unit in model_facts(graph).units for op in unit.forward_ops if op.gathered_readers}
+    encoder = next(op for name, op in ops.items() if op.gathered_readers == 4)  # k and v of both blocks
+    assert encoder.gathered_blocks == 4
+    decoder = [op for op in ops.values() if op.gathered_readers == 1]  # each block's q: its own input
+    assert decoder and all(op.gathered_blocks == 1 for op in decoder)

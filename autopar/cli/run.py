@@ -120,6 +120,9 @@ def _run(args: RunConfig, env: Environment) -> int:
     # --compile/--no-compile: searched and priced so (the strategy's `compile` key wins); neither, on a
     # GPU: searched both ways, the faster kept (`search_plan`)
     choose_compile = args.compile is None and "compile" not in fixed and _on_gpu()
+    if args.compile is not None and fixed.get("compile", args.compile) != args.compile:
+        flag = "--compile" if args.compile else "--no-compile"
+        raise AutoparError(f"{flag} disagrees with --strategy compile={str(fixed['compile']).lower()}: drop one")
     if args.compile is not None and args.plan is None:
         fixed.setdefault("compile", args.compile)
     cluster = planning_cluster(args.cluster, env.world_size) if args.cluster else None
@@ -132,6 +135,9 @@ def _run(args: RunConfig, env: Environment) -> int:
 
     if args.plan is not None:
         plan = load_run_plan(args.plan, spec, fixed)
+        if args.compile is False and plan.strategy.compile:
+            raise AutoparError(f"plan {args.plan} was priced compiled (its memory counts what the compiled step "
+                               f"keeps): drop --no-compile, or re-plan with `autopar plan --strategy compile=false`")
         global_batch = plan_global_batch(plan, args.global_batch)
     else:
         if args.global_batch is None:

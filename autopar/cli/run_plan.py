@@ -112,11 +112,18 @@ def chosen_compile(spec, example, cluster, fixed, global_batch, seq_len, precisi
     The eager search's refusal stands when neither fits."""
     plans, refusal = {}, None
     for compiled in (False, True):
+        label = "compiled" if compiled else "eager"
+        say(f"searching the {label} plan (compile on or off: whichever is predicted faster)")
         try:
             asked = {**fixed, "compile": True} if compiled else fixed  # eager: as asked, so is its refusal
             plans[compiled] = _searched_plan(spec, example, cluster, asked, global_batch, seq_len, precision, say)
         except AutoparError as error:
             refusal = refusal or error
+        except Exception as error:  # the compiled search alone must not end a run eager would make
+            if not compiled:
+                raise
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            refusal = refusal or AutoparError(f"{type(error).__name__}: {first}")
     if not plans:
         raise refusal
     times = {compiled: plan.predicted.step_time_s for compiled, plan in plans.items()}
