@@ -34,11 +34,17 @@ def test_the_plan_predicted_faster_is_kept_and_said():
                         f"a step compiled, {times[False] * 1e3:.4g} ms eager (--compile/--no-compile decide instead)")
 
 
-def test_a_layout_that_runs_only_eager_is_kept_eager():
+def test_a_layout_that_runs_only_eager_is_kept_eager(monkeypatch):
     """Hugging Face GPT-2's tp runs through DTensor, which the runtime does not compile: asked for tp=2,
-    only the eager search finds a plan, and that is the one kept."""
+    only the eager search finds a plan, and that is the one kept. The runtime's probes of the model
+    ran once: the second search read the first's answers."""
+    import autopar.probe_cache
     from test_hf_parity import SEQ, hf_loss, hf_model
 
+    caches = []
+    made = autopar.probe_cache.ProbeCache.__init__
+    monkeypatch.setattr(autopar.probe_cache.ProbeCache, "__init__",
+                        lambda self, folder: (made(self, folder), caches.append(self))[0])
     model = hf_model("gpt2")
     spec = type("Spec", (), dict(module=model, loss_fn=staticmethod(hf_loss), name="hf-gpt2"))()
     example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
@@ -46,6 +52,7 @@ def test_a_layout_that_runs_only_eager_is_kept_eager():
     chosen = chosen_compile(spec, example, load_cluster("dgx-h100", gpus=2), {"tp": 2}, 8, SEQ, "bf16", said.append)
     assert chosen.strategy.tp == 2 and not chosen.strategy.compile and chosen.tp_realization == "dtensor"
     assert said[-1].startswith("compile off: the compiled search found no plan (") and "DTensor" in said[-1]
+    assert len(caches) == 1 and caches[0].runs >= 1 and caches[0].hits >= 1
 
 
 def test_when_neither_fits_the_eager_refusal_stands():

@@ -94,12 +94,12 @@ def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision, say):
+def _searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision, say, probe_cache=None):
     import autopar
 
     result = autopar.plan(spec.module, (example,), cluster=cluster, global_batch=global_batch,
                           strategy=fixed, loss_fn=spec.loss_fn, precision=precision, name=spec.name, seq_len=seq_len,
-                          progress=say)
+                          progress=say, probe_cache=probe_cache)
     if not result.fits:
         raise AutoparError(f"{result.no_fit_reason()}; see `autopar plan` for the alternatives", exit_code=3)
     return result.plan
@@ -110,20 +110,27 @@ def chosen_compile(spec, example, cluster, fixed, global_batch, seq_len, precisi
     --compile/--no-compile): compile pays where its fused kernels save more than nothing, which the cost
     model prices (`cost_models.compiled_stage`), and some layouts only run eager (tp through DTensor).
     The eager search's refusal stands when neither fits."""
+    import tempfile
+
+    from autopar.probe_cache import ProbeCache
+
     plans, refusal = {}, None
-    for compiled in (False, True):
-        label = "compiled" if compiled else "eager"
-        say(f"searching the {label} plan (compile on or off: whichever is predicted faster)")
-        try:
-            asked = {**fixed, "compile": True} if compiled else fixed  # eager: as asked, so is its refusal
-            plans[compiled] = _searched_plan(spec, example, cluster, asked, global_batch, seq_len, precision, say)
-        except AutoparError as error:
-            refusal = refusal or error
-        except Exception as error:  # the compiled search alone must not end a run eager would make
-            if not compiled:
-                raise
-            first = (str(error).strip().splitlines() or [""])[0][:200]
-            refusal = refusal or AutoparError(f"{type(error).__name__}: {first}")
+    with tempfile.TemporaryDirectory(prefix="autopar-probes-") as folder:
+        probes = ProbeCache(folder)  # the runtime's probes (dry runs, pipeline cuts) run once for both
+        for compiled in (False, True):
+            label = "compiled" if compiled else "eager"
+            say(f"searching the {label} plan (compile on or off: whichever is predicted faster)")
+            try:
+                asked = {**fixed, "compile": True} if compiled else fixed  # eager: as asked, so is its refusal
+                plans[compiled] = _searched_plan(spec, example, cluster, asked, global_batch, seq_len, precision,
+                                                 say, probe_cache=probes)
+            except AutoparError as error:
+                refusal = refusal or error
+            except Exception as error:  # the compiled search alone must not end a run eager would make
+                if not compiled:
+                    raise
+                first = (str(error).strip().splitlines() or [""])[0][:200]
+                refusal = refusal or AutoparError(f"{type(error).__name__}: {first}")
     if not plans:
         raise refusal
     times = {compiled: plan.predicted.step_time_s for compiled, plan in plans.items()}
