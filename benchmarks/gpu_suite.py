@@ -176,8 +176,14 @@ def timed(step, device: str, warmup: int, steps: int, queued_step=None, queued_s
     """Warm-up steps untimed, then each step between synchronizations (the rows compare on these).
     With `queued_step` (one that returns its loss queued, `ParallelModel.queued_train_step`), then
     `queued_steps` more back to back, each loss read once the next step is queued as `autopar run`
-    reads them: their mean is what a run's tokens/s sees, without a wait for the host between steps."""
+    reads them: their mean is what a run's tokens/s sees, without a wait for the host between steps.
+    `warmup_s`: the warm-up steps' wall time, a compiled row's one-time compile in it (what choosing
+    compile for a short run would have to price)."""
+    synchronize(device)
+    started = time.perf_counter()
     losses = [float(step()) for _ in range(warmup)]
+    synchronize(device)
+    warmup_s = time.perf_counter() - started
     times = []
     for _ in range(steps):
         synchronize(device)
@@ -185,7 +191,7 @@ def timed(step, device: str, warmup: int, steps: int, queued_step=None, queued_s
         losses.append(float(step()))
         synchronize(device)
         times.append(time.perf_counter() - started)
-    record = {"step_time_s_mean": sum(times) / len(times), "step_time_s_min": min(times),
+    record = {"step_time_s_mean": sum(times) / len(times), "step_time_s_min": min(times), "warmup_s": warmup_s,
               "first_loss": losses[0], "last_loss": losses[-1], "losses": losses}
     if queued_step is not None and queued_steps > 0:
         synchronize(device)

@@ -84,6 +84,7 @@ def test_gpu_suite_runs_on_cpu(tmp_path):
         assert row["mfu_with_attention"] == pytest.approx(row["mfu"] * (6 * params + 12 * 2 * 64 * 64) / (6 * params))
     for row in record["plans"]:  # 3 queued steps back to back after the synchronized ones, losses read
         assert row["step_time_s_back_to_back"] > 0 and len(row["losses"]) == 2 + 5 + 3  # warm-up, timed, queued
+        assert row["warmup_s"] > 0
         assert row["mfu_back_to_back"] == pytest.approx(row["mfu"] * row["step_time_s_mean"]
                                                         / row["step_time_s_back_to_back"])
     assert record["plans"][0]["optimizations"]["vocab padding"] == "257 -> 384 rows (padded logits masked)"
