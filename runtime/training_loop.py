@@ -198,6 +198,27 @@ class TrainingLoop:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
+    def log(self, step: int, loss: float, tokens_per_s: float, reporter: Reporter, num_params: int,
+            peak: float | None, nominal: bool) -> None:
+        """One log line and metrics record: the step's loss, tokens/s over the interval, MFU, peak memory."""
+        device = self.parallel.layout.device
+        cuda = device.type == "cuda"
+        peak_memory = self.peak_memory_bytes(device)
+        mfu = 6 * num_params * tokens_per_s / peak if peak else None
+        planned_flops = planned_flops_per_token(self.plan)
+        as_planned = planned_flops * tokens_per_s / peak if peak and planned_flops else None
+        memory = f"  peak memory {peak_memory / GiB:.2f} GiB" if cuda else ""
+        shown = "n/a" if mfu is None else f"{mfu:.1%}" + (" (nominal)" if nominal else "")
+        if as_planned is not None:
+            shown += f", as planned {as_planned:.1%}"
+        scale = self.parallel.loss_scale  # fp16: where the scale is, and the steps it skipped
+        scaled = f"  loss scale {scale.scale:g} ({scale.skipped_steps} steps skipped)" if scale else ""
+        reporter.say(f"step {step:>6}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  MFU {shown}{memory}{scaled}")
+        reporter.record({"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                         "mfu_as_planned": as_planned, "mfu_nominal": nominal,
+                         "peak_memory_bytes": peak_memory, "data": self.data_name,
+                         **({"loss_scale": scale.scale, "skipped_steps": scale.skipped_steps} if scale else {})})
+
     def loop(self, first_step: int, last_step: int, stop: StopRequest, reporter: Reporter, num_params: int,
              peak: float | None, nominal: bool) -> int:
         """Train steps first_step..last_step; returns the last step trained (earlier on SIGTERM).
@@ -225,27 +246,12 @@ class TrainingLoop:
             if logs or due or step == last_step:
                 _read(unread, state, reporter, keep=0)
                 due = due or state["stopping"]
-            loss = state["loss"]
             if logs:
                 if cuda:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - started
                 tokens_per_s = self.tokens_per_step * interval_steps / elapsed if elapsed > 0 else 0.0
-                peak_memory = self.peak_memory_bytes(device)
-                mfu = 6 * num_params * tokens_per_s / peak if peak else None
-                planned_flops = planned_flops_per_token(self.plan)
-                as_planned = planned_flops * tokens_per_s / peak if peak and planned_flops else None
-                memory = f"  peak memory {peak_memory / GiB:.2f} GiB" if cuda else ""
-                shown = "n/a" if mfu is None else f"{mfu:.1%}" + (" (nominal)" if nominal else "")
-                if as_planned is not None:
-                    shown += f", as planned {as_planned:.1%}"
-                scale = self.parallel.loss_scale  # fp16: where the scale is, and the steps it skipped
-                scaled = f"  loss scale {scale.scale:g} ({scale.skipped_steps} steps skipped)" if scale else ""
-                reporter.say(f"step {step:>6}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  MFU {shown}{memory}{scaled}")
-                reporter.record({"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                                 "mfu_as_planned": as_planned, "mfu_nominal": nominal,
-                                 "peak_memory_bytes": peak_memory, "data": self.data_name,
-                                 **({"loss_scale": scale.scale, "skipped_steps": scale.skipped_steps} if scale else {})})
+                self.log(step, state["loss"], tokens_per_s, reporter, num_params, peak, nominal)
             if self.checkpointer is not None and due:
                 self.save(step, reporter)
             if state["stopping"]:
