@@ -93,6 +93,12 @@ class PlanResult:
         return [c.evaluation for c in self.search.ranked if c is not self.chosen]
 
     @property
+    def compile_choice(self):
+        """Under `plan(..., choose_compile=True)`: eager and compiled compared
+        (`searcher.compile_choice.CompileChoice`); None otherwise."""
+        return self.search.compile_choice
+
+    @property
     def why_not(self) -> list:
         return list(self.search.why_not)
 
@@ -200,6 +206,7 @@ def plan(
     progress: Progress | None = None,
     probe_cache: str | Path | ProbeCache | None = None,
     fork_probes: bool = False,
+    choose_compile: bool = False,
 ) -> PlanResult:
     """Search the best parallel plan for training `model` on `cluster`.
 
@@ -211,7 +218,9 @@ def plan(
     runtime's probes of this model (`autopar.probe_cache`), so planning it again skips them; None
     runs them every time. `fork_probes`: the pipeline probe runs in a forked child beside the trace,
     and the tp probe in another beside the search (`autopar.forked`: the same plan, sooner where a
-    core is free).
+    core is free). `choose_compile`: unless `strategy` sets `compile`, search eager and compiled over
+    the one trace and keep the plan predicted faster (`PlanResult.compile_choice` says on what
+    numbers), as `autopar run` does on a GPU.
     """
     from autopar.cost_models.facts import model_facts
     from autopar.cost_models.strategy import parse_strategy
@@ -258,7 +267,7 @@ def plan(
     def searched(tp_table):
         capabilities = _completed_capabilities(tp_table, probe, facts, model, loss_fn, fallback)
         return capabilities, search(graph, facts, cluster, global_batch, fixed=fixed, use_ilp=use_ilp,
-                                    capabilities=capabilities, progress=progress,
+                                    capabilities=capabilities, progress=progress, choose_compile=choose_compile,
                                     **({"efficiency": efficiency} if efficiency else {}))
 
     capabilities, result = _searched_with_tp_answer(tp_probe, remember, fork_probes, searched)

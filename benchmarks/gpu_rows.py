@@ -61,7 +61,7 @@ def rows_of(path: Path) -> list[dict]:
             fixed["gemm_padding"] = "false"  # the runtime then ran misaligned layers at their width
             config = ",".join(filter(None, ["vocab_multiple=1", config]))
         else:
-            if row.get("compile"):
+            if row.get("compile") is True or strategy.get("compile") is True:  # fixed so, or chosen so
                 fixed["compile"] = "true"
             # ran before the runtime padded misaligned layers, or with the padding patched out (the what-if row)
             if "GEMM padding" not in row.get("optimizations", {}) or strategy.get("gemm_padding") is False:

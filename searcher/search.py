@@ -93,6 +93,7 @@ class SearchResult:
     # if none does, the result stays the first search's and `with_offload` is the closest offloaded.
     without_offload: Evaluation | None = None
     with_offload: Evaluation | None = None
+    compile_choice: Any = None  # `searcher.compile_choice.CompileChoice` under `choose_compile`
 
 
 def search(
@@ -103,13 +104,20 @@ def search(
     *,
     fixed: dict[str, Any] | None = None,
     capabilities: Capabilities = RUNTIME_CAPABILITIES,
+    choose_compile: bool = False,
     **options: Any,
 ) -> SearchResult:
     """The best plan that fits, and the alternatives. Optimizer-state offload costs a CPU step and
     PCIe copies every step, so it is offered only when no plan without it fits (and the user left
     `offload` free): then the search runs again with offload=optimizer (`SearchResult.without_offload`,
-    `with_offload`), and a why-not row says what the other side needs."""
+    `with_offload`), and a why-not row says what the other side needs. `choose_compile` (with
+    `compile` left free): searched eager and compiled, the faster kept (`searcher.compile_choice`)."""
     fixed = dict(fixed or {})
+    if choose_compile and "compile" not in fixed:
+        from autopar.searcher.compile_choice import search_choosing_compile
+
+        return search_choosing_compile(lambda asked: search(graph, facts, cluster, global_batch, fixed=asked,
+                                                            capabilities=capabilities, **options), fixed)
     result = _search_once(graph, facts, cluster, global_batch, fixed=fixed, capabilities=capabilities, **options)
     if result.best is not None or "offload" in fixed or not capabilities.supports_offload:
         return result

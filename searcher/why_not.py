@@ -60,7 +60,7 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
     rows: list[WhyNot] = []
     seen: dict[Any, WhyNot | None] = {_key(reference.strategy, fitted): None}  # the chosen plan has no row
     for candidate in ranked[1:1 + runners_up]:
-        _add(rows, seen, _priced("runner-up", candidate.evaluation, reference), fitted)
+        _add(rows, seen, priced_row("runner-up", candidate.evaluation, reference), fitted)
     families = _layout_families(cluster)
     split = [e for e in quick if e.strategy.cp > 1]
     if reference.strategy.cp > 1:  # why the sequence is split: the best plan that does not split it
@@ -85,7 +85,7 @@ def why_not_rows(ranked: list, quick: list[Evaluation], facts: ModelFacts, clust
                 continue
         exact = evaluate(facts, cluster, choice, batch, efficiency=efficiency, vocab=head_vocab(facts, choice),
                          cache=cache, tp_realization=tp_realization)  # as `refine` prices Megatron
-        _add(rows, seen, _priced(label, exact, reference, without=without, batch_rule=rule), fitted)
+        _add(rows, seen, priced_row(label, exact, reference, without=without, batch_rule=rule), fitted)
     return rows
 
 
@@ -261,7 +261,7 @@ def seconds_text(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} µs"
 
 
-def _priced(label: str, evaluation: Evaluation, reference: Evaluation, *, without: str = "",
+def priced_row(label: str, evaluation: Evaluation, reference: Evaluation, *, without: str = "",
             batch_rule: str = "") -> WhyNot:
     """A row for `evaluation` against the chosen plan, per token (the same as per step at one batch).
     `without`: the --strategy keys it was priced without; `batch_rule`: why it was priced at

@@ -168,3 +168,19 @@ def test_gpu_suite_runs_a_what_if_row_with_the_padding_patched_out(one_process_g
     assert runs[0]["optimizations"]["GEMM padding"] == "off (patched out by the benchmark)"
     assert runs[1]["optimizations"]["GEMM padding"].startswith("head 1,025 -> 1,152")
     assert runs[0]["losses"] == pytest.approx(runs[1]["losses"], rel=1e-6)
+
+
+def test_gpu_suite_plans_its_chosen_row_as_autopar_run_does_on_a_gpu():
+    """gpu_suite's `g13-chosen` row is searched eager and compiled, and keeps the faster predicted (the plan
+    `autopar run` trains on a GPU): its prediction is the lesser of the two fixed ways'."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_suite
+
+    config = "layers=2,hidden=256,heads=4,vocab=512,seq_len=128"
+    cases = [("eager", "gpt", config, 128, 8, "bf16", None, False),
+             ("compiled", "gpt", config, 128, 8, "bf16", "compile=true", False),
+             ("chosen", "gpt", config, 128, 8, "bf16", None, gpu_suite.CHOOSE)]
+    made = gpu_suite.make_plans(cases, lambda line: None)
+    times = {case: made[case]["predicted"]["step_time_s"] for case in made}
+    assert times["chosen"] == min(times["eager"], times["compiled"]) and times["eager"] != times["compiled"]
+    assert made["chosen"]["strategy"]["compile"] == (times["compiled"] < times["eager"])

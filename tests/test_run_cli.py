@@ -244,7 +244,7 @@ def _search_on_two_ranks(rank: int, port: int, out: str) -> None:
         def searched_on_rank_1(*args, **kwargs):
             raise AssertionError("rank 1 searched")
 
-        run_plan._searched_plan = searched_on_rank_1
+        run_plan.searched_plan = searched_on_rank_1
     spec = build_model("gpt", "layers=2,hidden=32,heads=4,vocab=64,seq_len=16")
     (example,) = spec.example_inputs(1, 16)
     cluster, env = run_plan.planning_cluster("local", 2), Environment(world_size=2, rank=rank, local_rank=rank)

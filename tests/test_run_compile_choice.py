@@ -1,12 +1,14 @@
 """`autopar run` on a GPU without --compile/--no-compile searches its plan eager and compiled and keeps
-the one predicted faster (`run_plan.chosen_compile`); planned here on CPU for GPU clusters."""
+the one predicted faster (`autopar.plan(..., choose_compile=True)`, `searcher.compile_choice`);
+planned here on CPU for GPU clusters."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from autopar.cli.run_plan import _searched_plan, chosen_compile
+import autopar
+from autopar.cli.run_plan import searched_plan
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.models import build_model
@@ -20,49 +22,68 @@ def _gpt():
     return spec, example
 
 
-def test_the_plan_predicted_faster_is_kept_and_said():
+def _plan(spec, example, cluster, strategy, **options):
+    return autopar.plan(spec.module, (example,), cluster=cluster, global_batch=8, strategy=strategy,
+                        loss_fn=spec.loss_fn, precision="bf16", name=spec.name, seq_len=128, **options)
+
+
+def test_the_plan_predicted_faster_is_kept_from_one_trace_and_said(monkeypatch):
+    import autopar.api
+
     spec, example = _gpt()
     cluster = load_cluster("dgx-h100", gpus=1)
-    said = []
-    chosen = chosen_compile(spec, example, cluster, {}, 8, 128, "bf16", said.append)
-    times = {compiled: _searched_plan(spec, example, cluster, {"compile": compiled}, 8, 128, "bf16",
-                                      lambda _: None).predicted.step_time_s for compiled in (False, True)}
+    times = {compiled: _plan(spec, example, cluster, {"compile": compiled}).plan.predicted.step_time_s
+             for compiled in (False, True)}
+    captures = []
+    capture = autopar.api._capture
+    monkeypatch.setattr(autopar.api, "_capture", lambda *a, **k: (captures.append(1), capture(*a, **k))[1])
+    result = _plan(spec, example, cluster, {}, choose_compile=True)
+    assert len(captures) == 1  # both ways searched over one trace
     assert times[True] != times[False]
+    chosen = result.plan
     assert chosen.strategy.compile == (times[True] < times[False])
     assert chosen.predicted.step_time_s == min(times.values())
+    choice = result.compile_choice
+    assert (choice.compiled, choice.eager_step_time_s, choice.compiled_step_time_s) == \
+        (chosen.strategy.compile, times[False], times[True])
+    other = result.why_not[0]  # the way not taken, priced against the chosen plan
+    assert other.label == ("eager (compile=false)" if choice.compiled else "compiled (compile=true)")
+    assert other.strategy.compile != chosen.strategy.compile and other.slowdown >= 1.0
+    said = []
+    searched_plan(spec, example, cluster, {}, 8, 128, "bf16", said.append, choose_compile=True)
     assert said[-1] == (f"compile {'on' if chosen.strategy.compile else 'off'}: predicted {times[True] * 1e3:.4g} ms "
                         f"a step compiled, {times[False] * 1e3:.4g} ms eager (--compile/--no-compile decide instead)")
 
 
-def test_a_layout_that_runs_only_eager_is_kept_eager(monkeypatch):
+def test_a_fixed_compile_key_is_not_chosen_over():
+    spec, example = _gpt()
+    result = _plan(spec, example, load_cluster("dgx-h100", gpus=1), {"compile": False}, choose_compile=True)
+    assert result.compile_choice is None and not result.plan.strategy.compile
+
+
+def test_a_layout_that_runs_only_eager_is_kept_eager():
     """Hugging Face GPT-2's tp runs through DTensor, which the runtime does not compile: asked for tp=2,
-    only the eager search finds a plan, and that is the one kept. The runtime's probes of the model
-    ran once: the second search read the first's answers."""
-    import autopar.probe_cache
+    only the eager search finds a plan, and that is the one kept, with the compiled search's reason."""
     from test_hf_parity import SEQ, hf_loss, hf_model
 
-    caches = []
-    made = autopar.probe_cache.ProbeCache.__init__
-    monkeypatch.setattr(autopar.probe_cache.ProbeCache, "__init__",
-                        lambda self, folder: (made(self, folder), caches.append(self))[0])
     model = hf_model("gpt2")
-    spec = type("Spec", (), dict(module=model, loss_fn=staticmethod(hf_loss), name="hf-gpt2"))()
     example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    said = []
-    chosen = chosen_compile(spec, example, load_cluster("dgx-h100", gpus=2), {"tp": 2}, 8, SEQ, "bf16", said.append)
-    assert chosen.strategy.tp == 2 and not chosen.strategy.compile and chosen.tp_realization == "dtensor"
-    assert said[-1].startswith("compile off: the compiled search found no plan (") and "DTensor" in said[-1]
-    assert len(caches) == 1 and caches[0].runs >= 1 and caches[0].hits >= 1
+    result = autopar.plan(model, (example,), cluster=load_cluster("dgx-h100", gpus=2), global_batch=8,
+                          strategy={"tp": 2}, loss_fn=hf_loss, precision="bf16", seq_len=SEQ, choose_compile=True)
+    assert result.plan.strategy.tp == 2 and not result.plan.strategy.compile
+    assert result.plan.tp_realization == "dtensor"
+    choice = result.compile_choice
+    assert not choice.compiled and choice.compiled_step_time_s is None and "DTensor" in choice.refusal
+    assert choice.line().startswith("compile off: the compiled search found no plan (")
 
 
 def test_when_neither_fits_the_eager_refusal_stands():
     spec, example = _gpt()
+    cluster = load_cluster("dgx-h100", gpus=1)
     with pytest.raises(AutoparError) as eager:
-        _searched_plan(spec, example, load_cluster("dgx-h100", gpus=1), {"microbatch": 3}, 8, 128, "bf16",
-                       lambda _: None)
+        searched_plan(spec, example, cluster, {"microbatch": 3}, 8, 128, "bf16", lambda _: None)
     with pytest.raises(AutoparError) as chosen:
-        chosen_compile(spec, example, load_cluster("dgx-h100", gpus=1), {"microbatch": 3}, 8, 128, "bf16",
-                       lambda _: None)
+        searched_plan(spec, example, cluster, {"microbatch": 3}, 8, 128, "bf16", lambda _: None, choose_compile=True)
     assert str(chosen.value) == str(eager.value)
 
 
@@ -98,3 +119,37 @@ def test_a_compile_flag_that_contradicts_the_strategy_or_the_plan_is_refused_fir
         assert main(["run", *argv]) == 2
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("autopar: error: ") and words in lines[0], lines
+def _result(step_time_s=None, closest_gib=None):
+    """A search's result holding only what the choice reads: the best plan's step time, or the closest one."""
+    from types import SimpleNamespace
+
+    from autopar.searcher.search import SearchResult
+
+    evaluation = SimpleNamespace(step_time_s=step_time_s, peak_memory_bytes=(closest_gib or 0) * 2**30,
+                                 capacity_bytes=80 * 2**30)
+    candidate = SimpleNamespace(evaluation=evaluation)
+    return SearchResult(best=candidate if step_time_s is not None else None, ranked=[candidate], why_not=[],
+                        candidates=1, rejected={}, search_s=0.0)
+
+
+def test_a_bug_met_only_compiled_leaves_the_eager_plan():
+    from autopar.searcher.compile_choice import search_choosing_compile
+
+    def search(fixed):
+        if fixed.get("compile"):
+            raise RuntimeError("inductor fell over\nsecond line")
+        return _result(0.5)
+
+    kept = search_choosing_compile(search, {})
+    assert kept.best.evaluation.step_time_s == 0.5
+    assert kept.compile_choice.refusal == "RuntimeError: inductor fell over" and not kept.compile_choice.compiled
+
+
+def test_compiled_is_kept_when_only_it_fits():
+    from autopar.searcher.compile_choice import search_choosing_compile
+
+    kept = search_choosing_compile(lambda fixed: _result(0.4) if fixed.get("compile") else _result(closest_gib=90), {})
+    choice = kept.compile_choice
+    assert kept.best.evaluation.step_time_s == 0.4 and choice.compiled and choice.eager_step_time_s is None
+    assert choice.line() == ("compile on: the eager search found no plan (the closest needs 90.0 GiB per GPU of "
+                             "80.0 GiB usable)")

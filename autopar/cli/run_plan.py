@@ -62,12 +62,14 @@ def plan_global_batch(plan, requested: int | None) -> int:
 def search_plan(spec, example, cluster, fixed: dict[str, Any], global_batch: int, seq_len: int, precision: str,
                 env, choose_compile: bool = False):
     """`autopar.plan` on the model's example input (one sample) and loss, as `autopar plan` calls it;
-    `choose_compile`: searched eager and compiled, the plan predicted faster kept (`chosen_compile`).
+    `choose_compile`: searched eager and compiled, the plan predicted faster kept (`searcher.compile_choice`).
     Under torchrun only rank 0 searches (dry runs and the solver run once, not once per process) and
     broadcasts the plan, or its one-line refusal, which every rank then raises."""
-    search = chosen_compile if choose_compile else _searched_plan
+    def search(say):
+        return searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision, say, choose_compile)
+
     if env.world_size == 1:
-        return search(spec, example, cluster, fixed, global_batch, seq_len, precision, say=_to_stderr)
+        return search(_to_stderr)
     import torch.distributed as dist
 
     from autopar.plan_schema import Plan
@@ -79,8 +81,7 @@ def search_plan(spec, example, cluster, fixed: dict[str, Any], global_batch: int
     try:
         if env.rank == 0:
             try:
-                outcome = [search(spec, example, cluster, fixed, global_batch, seq_len, precision,
-                                  say=_to_stderr).to_json(), None, 0]
+                outcome = [search(_to_stderr).to_json(), None, 0]
             except AutoparError as error:
                 outcome = [None, str(error), error.exit_code]
     finally:  # also when rank 0's search raised something else: the others then stop with one line
@@ -94,54 +95,19 @@ def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision, say, probe_cache=None):
+def searched_plan(spec, example, cluster, fixed, global_batch, seq_len, precision, say, choose_compile=False):
+    """The plan `autopar.plan` finds, or its refusal as an error; choosing compile, one line on which
+    way was kept and why."""
     import autopar
 
     result = autopar.plan(spec.module, (example,), cluster=cluster, global_batch=global_batch,
                           strategy=fixed, loss_fn=spec.loss_fn, precision=precision, name=spec.name, seq_len=seq_len,
-                          progress=say, probe_cache=probe_cache)
+                          progress=say, choose_compile=choose_compile)
     if not result.fits:
         raise AutoparError(f"{result.no_fit_reason()}; see `autopar plan` for the alternatives", exit_code=3)
+    if result.compile_choice is not None:
+        say(f"{result.compile_choice.line()} (--compile/--no-compile decide instead)")
     return result.plan
-
-
-def chosen_compile(spec, example, cluster, fixed, global_batch, seq_len, precision, say):
-    """The faster predicted of the plans searched eager and compiled (`autopar run` on a GPU without
-    --compile/--no-compile): compile pays where its fused kernels save more than nothing, which the cost
-    model prices (`cost_models.compiled_stage`), and some layouts only run eager (tp through DTensor).
-    The eager search's refusal stands when neither fits."""
-    import tempfile
-
-    from autopar.probe_cache import ProbeCache
-
-    plans, refusal = {}, None
-    with tempfile.TemporaryDirectory(prefix="autopar-probes-") as folder:
-        probes = ProbeCache(folder)  # the runtime's probes (dry runs, pipeline cuts) run once for both
-        for compiled in (False, True):
-            label = "compiled" if compiled else "eager"
-            say(f"searching the {label} plan (compile on or off: whichever is predicted faster)")
-            try:
-                asked = {**fixed, "compile": True} if compiled else fixed  # eager: as asked, so is its refusal
-                plans[compiled] = _searched_plan(spec, example, cluster, asked, global_batch, seq_len, precision,
-                                                 say, probe_cache=probes)
-            except AutoparError as error:
-                refusal = refusal or error
-            except Exception as error:  # the compiled search alone must not end a run eager would make
-                if not compiled:
-                    raise
-                first = (str(error).strip().splitlines() or [""])[0][:200]
-                refusal = refusal or AutoparError(f"{type(error).__name__}: {first}")
-    if not plans:
-        raise refusal
-    times = {compiled: plan.predicted.step_time_s for compiled, plan in plans.items()}
-    chosen = min(plans, key=lambda compiled: (times[compiled], compiled))  # a tie: eager, nothing to compile
-    if len(plans) == 2:
-        say(f"compile {'on' if chosen else 'off'}: predicted {times[True] * 1e3:.4g} ms a step compiled, "
-            f"{times[False] * 1e3:.4g} ms eager (--compile/--no-compile decide instead)")
-    else:
-        say(f"compile {'on' if chosen else 'off'}: the {'eager' if chosen else 'compiled'} search found no plan "
-            f"({refusal})")
-    return plans[chosen]
 
 
 def strategy_text(s) -> str:
