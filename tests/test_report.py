@@ -424,3 +424,16 @@ def test_kept_sequence_shards_are_shown_and_reproduced():
     assert "sp_inputs=regathered" in strategy_label(kept)
     gathered = kept.model_copy(update={"sp_inputs": "gathered"})
     assert "sp_inputs" not in strategy_flag(gathered, {})[0] and "sp_inputs" not in strategy_label(gathered)
+
+
+def test_a_compiled_plan_is_shown_and_reproduced_compiled():
+    """A plan priced compiled says so: its `--strategy` line fixes `compile=true` (re-planned from it, the
+    plan is priced compiled again) and its one-line label carries it; an eager one shows neither."""
+    from autopar.cost_models.strategy import parse_strategy
+    from autopar.report.views import strategy_flag, strategy_label
+
+    compiled = Strategy(dp=1, tp=1, pp=1, microbatch=8, num_microbatches=1, compile=True)
+    assert parse_strategy(strategy_flag(compiled, {})[0])["compile"] is True
+    assert strategy_label(compiled).endswith(" compile=true")
+    eager = compiled.model_copy(update={"compile": False})
+    assert "compile" not in strategy_flag(eager, {})[0] and "compile" not in strategy_label(eager)

@@ -153,3 +153,18 @@ def test_compiled_is_kept_when_only_it_fits():
     assert kept.best.evaluation.step_time_s == 0.4 and choice.compiled and choice.eager_step_time_s is None
     assert choice.line() == ("compile on: the eager search found no plan (the closest needs 90.0 GiB per GPU of "
                              "80.0 GiB usable)")
+
+
+def test_autopar_plan_chooses_compile_when_asked(capsys):
+    """`autopar plan --choose-compile` prints the choice, and its --strategy line reproduces the plan kept."""
+    from autopar.cli import main
+
+    spec, example = _gpt()
+    result = _plan(spec, example, load_cluster("dgx-h100", gpus=1), {}, choose_compile=True)
+    argv = ["plan", "--model", "gpt", "--model-config", SMALL, "--cluster", "dgx-h100", "--gpus", "1",
+            "--global-batch", "8", "--seq-len", "128", "--choose-compile"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert result.compile_choice.line() in err.splitlines()
+    flag = next(line for line in out.splitlines() if line.startswith("--strategy"))
+    assert ("compile=true" in flag) == result.plan.strategy.compile

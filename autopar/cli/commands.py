@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--report", metavar="PATH", help="write a self-contained HTML report (mesh, schedule, memory, "
                       "breakdown, alternatives, sharding) to PATH")
     plan.add_argument("--trace", metavar="PATH", help="write the predicted step as a Chrome/Perfetto trace (JSON) to PATH")
+    plan.add_argument("--choose-compile", action="store_true",
+                      help="search the plan eager and compiled, and keep the one predicted faster (what `autopar run` "
+                           "does on a GPU without --compile/--no-compile); a compile key in --strategy decides instead")
     plan.add_argument("--no-ilp", action="store_true", help="skip the intra-op ILP (Megatron-style tensor parallelism)")
     plan.add_argument("--no-probe-cache", action="store_true",
                       help="run the runtime's probes of the model (pipeline capture, tp dry run) even when an "
@@ -205,7 +208,9 @@ def _planned(args: argparse.Namespace) -> int:
                           precision=args.precision, name=spec.name, seq_len=args.seq_len or spec.default_seq_len,
                           use_ilp=not args.no_ilp, profile=args.profile, profile_device=args.profile_device,
                           progress=_say, probe_cache=None if args.no_probe_cache else default_probe_cache_dir(),
-                          fork_probes=True)
+                          fork_probes=True, choose_compile=args.choose_compile)
+    if result.fits and result.compile_choice is not None:
+        _say(result.compile_choice.line())
     if result.fits:  # all or none; when nothing fits, none (the terminal report shows the closest plan)
         result.write(plan=args.save_plan, json_path=outputs["--json"], report=args.report, trace=args.trace)
     report = result.summary()

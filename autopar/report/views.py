@@ -54,6 +54,8 @@ def strategy_label(strategy: Strategy) -> str:
         label += f" cp={strategy.cp} cp_kind={strategy.cp_kind}"
     if strategy.sp and strategy.sp_inputs != "gathered":
         label += f" sp_inputs={strategy.sp_inputs}"
+    if strategy.compile:
+        label += " compile=true"
     return label
 
 
@@ -82,6 +84,8 @@ def strategy_flag(strategy: Strategy, fixed: dict) -> tuple[str, str]:
         keys += [f"cp={s.cp}", f"cp_kind={s.cp_kind}"]
     if s.sp and s.sp_inputs != "gathered":
         keys.append(f"sp_inputs={s.sp_inputs}")
+    if s.compile:  # the plan is priced compiled: re-planned without the key it would be priced eager
+        keys.append("compile=true")
     return ",".join(keys), note
 
 
