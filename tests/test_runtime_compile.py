@@ -257,6 +257,35 @@ def test_autopar_run_compile_matches_the_uncompiled_run(_clean_env, tmp_path):
     torch.testing.assert_close(torch.tensor(losses["compiled"]), torch.tensor(losses["eager"]), rtol=LOSS_RTOL, atol=0)
 
 
+def test_a_model_torch_cannot_compile_is_said_in_one_line_with_the_eager_way_out(_clean_env, tmp_path, monkeypatch):
+    """A compiler that fails at the first step (here a backend that raises, as inductor does on a model
+    it cannot lower): `autopar run` stops with one line naming it and the eager way out, exit 2, no
+    traceback; nothing is checkpointed. Eager, the same run trains."""
+    import importlib
+
+    from autopar.runtime.compile import compile_forward_loss
+
+    parallelize_module = importlib.import_module("autopar.runtime.parallelize")  # the package exports the function
+
+    def refusing_backend(graph_module, example_inputs):
+        raise RuntimeError("no kernel for this op\nsecond line")
+
+    monkeypatch.setattr(parallelize_module, "compile_forward_loss",
+                        lambda module, loss_fn: compile_forward_loss(module, loss_fn, backend=refusing_backend))
+    tiny = ",".join(f"{key}={value}" for key, value in tiny_config().items())
+    train = ["run", "--model", "gpt", "--model-config", tiny, "--global-batch", str(GLOBAL_BATCH), "--data",
+             "synthetic", "--cluster", "local", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    torch._dynamo.reset()
+    code, err = _cli([*train, "--compile"])
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("searching", "tracing"))]
+    assert code == 2 and "Traceback" not in err, err
+    assert lines[-1] == ("autopar: error: torch.compile failed on this model (BackendCompilerFailed, RuntimeError: "
+                         "no kernel for this op); train it eager: --no-compile, or a plan with compile=false")
+    assert not list((tmp_path / "ck").glob("step-*"))
+    torch._dynamo.reset()
+    assert _cli([*train, "--no-compile"])[0] == 0
+
+
 def test_a_plan_priced_compiled_is_compiled_by_default_and_refused_eager(one_process_group):
     """`parallelize` follows the plan's `compile` unless told otherwise; a plan priced compiled (whose
     memory counts what the compiled step saves, `cost_models.compiled_stage`) is refused eager before

@@ -20,6 +20,7 @@ current step, saves, and exits 0, so the job's next launch with `--resume auto` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -224,7 +225,8 @@ def _train(args, env: Environment, launch: Launch) -> int:
                             launch.global_batch * launch.data.tokens_per_sample, launch.data.name)
         reporter = Reporter(args, env.rank, first_step)
         try:
-            with StopRequest() as stop:
+            with StopRequest() as stop, compile_failure_said(plan.strategy.compile if args.compile is None
+                                                             else args.compile):
                 if args.profile_steps:
                     train_with_profile(loop, first_step, stop, reporter, num_params, peak, nominal)
                 else:
@@ -237,6 +239,24 @@ def _train(args, env: Environment, launch: Launch) -> int:
         if data is not None:
             data.close()
     return 0
+
+
+@contextlib.contextmanager
+def compile_failure_said(compiled: bool):
+    """torch.compile meets a model at its first steps (dynamo traces it, inductor builds its kernels, the
+    backward compiles at the first backward): a failure there is a model this torch cannot compile, said
+    in one line with the eager way out, not a traceback mid-run (`--debug` shows it)."""
+    try:
+        yield
+    except Exception as error:
+        from torch._dynamo.exc import TorchDynamoException
+
+        if not compiled or not isinstance(error, TorchDynamoException):
+            raise
+        cause = getattr(error, "inner_exception", None) or error  # a backend's own error, inside dynamo's
+        first = (str(cause).strip().splitlines() or [""])[0][:200]
+        raise AutoparError(f"torch.compile failed on this model ({type(error).__name__}, {type(cause).__name__}: "
+                           f"{first}); train it eager: --no-compile, or a plan with compile=false") from error
 
 
 def _checkpointer(args):
