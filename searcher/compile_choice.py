@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autopar.errors import AutoparError
+from autopar.searcher.why_not import WhyNot, priced_row
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,20 @@ class CompileChoice:
         if self.eager_step_time_s is not None and self.compiled_step_time_s is not None:
             return (f"compile {chosen}: predicted {self.compiled_step_time_s * 1e3:.4g} ms a step compiled, "
                     f"{self.eager_step_time_s * 1e3:.4g} ms eager")
+        if self.eager_step_time_s is None and self.compiled_step_time_s is None:
+            return f"neither the eager nor the compiled search found a plan (compiled: {self.refusal})"
         other = "eager" if self.compiled else "compiled"
         return f"compile {chosen}: the {other} search found no plan ({self.refusal})"
 
 
-def search_choosing_compile(search: Callable[[dict[str, Any]], Any], fixed: dict[str, Any]):
+def search_choosing_compile(search: Callable[[dict[str, Any]], Any], fixed: dict[str, Any],
+                            progress: Callable[[str], None] | None = None):
     """`search(fixed)` eager and compiled (`fixed` leaves `compile` free); the result of the faster,
-    with `compile_choice` set and a why-not row for the other way when it found a plan."""
-    from autopar.searcher.why_not import priced_row
-
+    with `compile_choice` set, both searches' totals, and a why-not row for the other way."""
+    say = progress or (lambda _message: None)
+    say("searching the eager plan (then the compiled one; the faster predicted is kept)")
     eager = search(fixed)
+    say("searching the compiled plan")
     try:
         compiled = search({**fixed, "compile": True})
         refusal = None if compiled.best is not None else _closest_text(compiled)
@@ -57,11 +62,18 @@ def search_choosing_compile(search: Callable[[dict[str, Any]], Any], fixed: dict
         refusal = _closest_text(eager)
     choice = CompileChoice(chosen, times[False], times[True], refusal if len(found) < 2 else None)
     kept, other = (compiled, eager) if chosen else (eager, compiled)
-    rows = list(kept.why_not)
+    label = "compiled (compile=true)" if not chosen else "eager (compile=false)"
     if len(found) == 2:
-        label = "eager (compile=false)" if chosen else "compiled (compile=true)"
-        rows.insert(0, priced_row(label, other.best.evaluation, kept.best.evaluation))
-    return dataclasses.replace(kept, why_not=rows, compile_choice=choice)
+        row = priced_row(label, other.best.evaluation, kept.best.evaluation)
+    else:
+        closest = other.ranked[0].evaluation if other is not None and other.ranked else None
+        row = WhyNot(label, closest.strategy if closest else None, f"found no plan: {refusal}",
+                     fits=False if closest else None, peak_memory_bytes=closest.peak_memory_bytes if closest else None)
+    totals = {} if other is None else dict(
+        candidates=kept.candidates + other.candidates, search_s=kept.search_s + other.search_s,
+        rejected={**other.rejected, **kept.rejected}, ilp_variables=kept.ilp_variables + other.ilp_variables,
+        ilp_solve_s=kept.ilp_solve_s + other.ilp_solve_s)
+    return dataclasses.replace(kept, why_not=[row, *kept.why_not], compile_choice=choice, **totals)
 
 
 def _fastest(result) -> float | None:

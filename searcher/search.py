@@ -117,7 +117,8 @@ def search(
         from autopar.searcher.compile_choice import search_choosing_compile
 
         return search_choosing_compile(lambda asked: search(graph, facts, cluster, global_batch, fixed=asked,
-                                                            capabilities=capabilities, **options), fixed)
+                                                            capabilities=capabilities, **options), fixed,
+                                       options.get("progress"))
     result = _search_once(graph, facts, cluster, global_batch, fixed=fixed, capabilities=capabilities, **options)
     if result.best is not None or "offload" in fixed or not capabilities.supports_offload:
         return result

@@ -184,3 +184,30 @@ def test_gpu_suite_plans_its_chosen_row_as_autopar_run_does_on_a_gpu():
     times = {case: made[case]["predicted"]["step_time_s"] for case in made}
     assert times["chosen"] == min(times["eager"], times["compiled"]) and times["eager"] != times["compiled"]
     assert made["chosen"]["strategy"]["compile"] == (times["compiled"] < times["eager"])
+
+
+def test_gpu_suite_judges_the_chosen_plan_on_its_own_row_and_ranks_eager_plans_apart():
+    """The chosen-plan goal reads `g13-chosen` (what `autopar run` trains on a GPU): a failed chosen row is
+    not measured, never judged on the eager search's row; files from before it are judged on `g13-searched`.
+    The predicted-fastest goal ranks eager plans only: a compiled plan, whatever its name, is left out."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_suite
+
+    def row(case, predicted, measured, compiled=False, status="ok"):
+        return {"case": case, "status": status, "global_batch": 8, "strategy": {"compile": compiled},
+                "predicted": {"step_time_s": predicted, "peak_memory_bytes": 1.0},
+                "step_time_s_mean": measured, "max_memory_reserved_bytes": 2.0}
+
+    def verdict(plans, name):
+        goals = gpu_suite.verdicts({"plans": plans, "baselines": []})
+        return next(g for g in goals if g["goal"].startswith(name))
+
+    eager = [row("g13-searched", 0.30, 0.30), row("g13-mb4x2-none", 0.33, 0.29)]
+    assert verdict(eager + [row("g13-chosen", 0.28, 0.27, compiled=True)],
+                   "step time within 5% on the chosen plan")["goal"].endswith("(g13-chosen)")
+    failed = verdict(eager + [row("g13-chosen", 0.28, 0.0, compiled=True, status="out of memory")],
+                     "step time within 5% on the chosen plan")
+    assert failed["verdict"] == "not measured" and failed["why"] == "out of memory"
+    assert verdict(eager, "step time within 5% on the chosen plan")["goal"].endswith("(g13-searched)")
+    ranked = verdict(eager + [row("g13-chosen", 0.20, 0.20, compiled=True)], "predicted-fastest")
+    assert ranked["value"] == "g13-searched / g13-mb4x2-none" and ranked["verdict"] == "missed"

@@ -78,13 +78,24 @@ def test_a_layout_that_runs_only_eager_is_kept_eager():
 
 
 def test_when_neither_fits_the_eager_refusal_stands():
+    """A fixed micro-batch that fits neither way: both searches run, and the refusal (exit 3) is the eager
+    search's; the report says what each way found."""
     spec, example = _gpt()
     cluster = load_cluster("dgx-h100", gpus=1)
+    huge = {"microbatch": 65536, "recompute": "none"}
     with pytest.raises(AutoparError) as eager:
-        searched_plan(spec, example, cluster, {"microbatch": 3}, 8, 128, "bf16", lambda _: None)
+        searched_plan(spec, example, cluster, huge, 65536, 128, "bf16", lambda _: None)
+    said = []
     with pytest.raises(AutoparError) as chosen:
-        searched_plan(spec, example, cluster, {"microbatch": 3}, 8, 128, "bf16", lambda _: None, choose_compile=True)
-    assert str(chosen.value) == str(eager.value)
+        searched_plan(spec, example, cluster, huge, 65536, 128, "bf16", said.append, choose_compile=True)
+    assert str(chosen.value) == str(eager.value) and chosen.value.exit_code == eager.value.exit_code == 3
+    assert "searching the compiled plan" in said  # the compiled way was searched too
+    result = autopar.plan(spec.module, (example,), cluster=cluster, global_batch=65536, strategy=huge,
+                          loss_fn=spec.loss_fn, precision="bf16", seq_len=128, choose_compile=True)
+    choice = result.compile_choice
+    assert not result.fits and choice.eager_step_time_s is None and choice.compiled_step_time_s is None
+    assert choice.line().startswith("neither the eager nor the compiled search found a plan (compiled: the closest needs")
+    assert result.why_not[0].label == "compiled (compile=true)" and result.why_not[0].fits is False
 
 
 def test_the_flag_parses_three_ways():
@@ -119,6 +130,8 @@ def test_a_compile_flag_that_contradicts_the_strategy_or_the_plan_is_refused_fir
         assert main(["run", *argv]) == 2
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("autopar: error: ") and words in lines[0], lines
+
+
 def _result(step_time_s=None, closest_gib=None):
     """A search's result holding only what the choice reads: the best plan's step time, or the closest one."""
     from types import SimpleNamespace
@@ -126,7 +139,7 @@ def _result(step_time_s=None, closest_gib=None):
     from autopar.searcher.search import SearchResult
 
     evaluation = SimpleNamespace(step_time_s=step_time_s, peak_memory_bytes=(closest_gib or 0) * 2**30,
-                                 capacity_bytes=80 * 2**30)
+                                 capacity_bytes=80 * 2**30, strategy=None)
     candidate = SimpleNamespace(evaluation=evaluation)
     return SearchResult(best=candidate if step_time_s is not None else None, ranked=[candidate], why_not=[],
                         candidates=1, rejected={}, search_s=0.0)
@@ -153,18 +166,30 @@ def test_compiled_is_kept_when_only_it_fits():
     assert kept.best.evaluation.step_time_s == 0.4 and choice.compiled and choice.eager_step_time_s is None
     assert choice.line() == ("compile on: the eager search found no plan (the closest needs 90.0 GiB per GPU of "
                              "80.0 GiB usable)")
+    row = kept.why_not[0]  # the way not taken, with why
+    assert row.label == "eager (compile=false)" and row.fits is False and row.reason.startswith("found no plan: ")
+    assert kept.candidates == 2  # both searches counted
 
 
-def test_autopar_plan_chooses_compile_when_asked(capsys):
-    """`autopar plan --choose-compile` prints the choice, and its --strategy line reproduces the plan kept."""
+def test_autopar_plan_chooses_compile_when_asked(capsys, tmp_path):
+    """`autopar plan --choose-compile` prints the choice, its --strategy line reproduces the plan kept, and
+    the JSON report and the HTML report's labels carry it."""
+    import json
+
     from autopar.cli import main
 
     spec, example = _gpt()
     result = _plan(spec, example, load_cluster("dgx-h100", gpus=1), {}, choose_compile=True)
     argv = ["plan", "--model", "gpt", "--model-config", SMALL, "--cluster", "dgx-h100", "--gpus", "1",
-            "--global-batch", "8", "--seq-len", "128", "--choose-compile"]
+            "--global-batch", "8", "--seq-len", "128", "--choose-compile", "--json", str(tmp_path / "r.json"),
+            "--report", str(tmp_path / "r.html")]
     assert main(argv) == 0
     out, err = capsys.readouterr()
-    assert result.compile_choice.line() in err.splitlines()
-    flag = next(line for line in out.splitlines() if line.startswith("--strategy"))
+    line = result.compile_choice.line()
+    assert line in err.splitlines() and out.rstrip().endswith(f"eager and compiled; {line}")
+    flag = next(text for text in out.splitlines() if text.startswith("--strategy"))
     assert ("compile=true" in flag) == result.plan.strategy.compile
+    recorded = json.loads((tmp_path / "r.json").read_text())["search"]["compile_choice"]
+    assert recorded["compiled"] == result.compile_choice.compiled and recorded["line"] == line
+    assert recorded["eager_step_time_s"] == result.compile_choice.eager_step_time_s
+    assert "compile=true" in (tmp_path / "r.html").read_text()  # the compiled way's label: the plan's or its row's

@@ -8,7 +8,7 @@ from typing import Any
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
 from autopar.plan_schema import Plan, Strategy, stage_rank
-from autopar.report.model import (MESH_ORDER, Breakdown, ClusterInfo, EvaluationReport, LinkInfo, MemoryParts,
+from autopar.report.model import (MESH_ORDER, Breakdown, ClusterInfo, CompileChoiceInfo, EvaluationReport, LinkInfo, MemoryParts,
                                   MeshAxisInfo, MeshInfo, MeshLinks, MfuBasis, PipelineInfo, Predicted, Report,
                                   SearchStats, ShardingRow, StageRow, WhyNotRow)
 from autopar.searcher.why_not import critical_rank
@@ -32,7 +32,8 @@ def build_report(result: Any, *, model: str, cluster: ClusterSpec, global_batch:
         mfu_basis=mfu_basis(cluster, precision),
         search=SearchStats(candidates=result.candidates, seconds=round(result.search_s, 3),
                            ilp_variables=result.ilp_variables, ilp_solve_s=round(result.ilp_solve_s, 3),
-                           ilp_budgeted=result.ilp_budgeted, rejected=result.rejected),
+                           ilp_budgeted=result.ilp_budgeted, rejected=result.rejected,
+                           compile_choice=_compile_choice(result.compile_choice)),
         alternatives=[evaluation_report(c) for c in result.ranked if c is not chosen],
         why_not=[WhyNotRow(label=w.label, strategy=w.strategy, reason=w.reason, slowdown=w.slowdown, fits=w.fits,
                            peak_memory_bytes=w.peak_memory_bytes, global_batch=w.global_batch)
@@ -44,6 +45,14 @@ def build_report(result: Any, *, model: str, cluster: ClusterSpec, global_batch:
             plan.param_placements, [axis.name for axis in plan.mesh if axis.name != "pp"]),
         checkpoint=checkpoint_cost(chosen, cluster, hash_bytes_per_s),
     )
+
+
+def _compile_choice(choice) -> CompileChoiceInfo | None:
+    if choice is None:
+        return None
+    return CompileChoiceInfo(compiled=choice.compiled, eager_step_time_s=choice.eager_step_time_s,
+                             compiled_step_time_s=choice.compiled_step_time_s, refusal=choice.refusal,
+                             line=choice.line())
 
 
 # What the save-time model does not price: a fixed part per save (DCP's save planning and its

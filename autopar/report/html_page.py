@@ -58,7 +58,8 @@ def _value(strategy: Strategy, key: str) -> str:
 
 def _label(strategy: Strategy) -> str:
     label = " ".join(f"{k}={_value(strategy, k)}" for k in _keys([strategy]) if getattr(strategy, k) is not None)
-    return label + (f" offload={strategy.offload}" if strategy.offload != "none" else "")
+    return (label + (f" offload={strategy.offload}" if strategy.offload != "none" else "")
+            + (" compile=true" if strategy.compile else ""))
 
 
 def _keys(strategies: list[Strategy]) -> list[str]:

@@ -216,6 +216,16 @@ class ShardingRow(_Part):
     axes: list[str]
 
 
+class CompileChoiceInfo(_Part):
+    """Compile on or off, chosen by the predictions (`searcher.compile_choice`): each way's fastest step,
+    None where that way found no plan (`refusal` says why)."""
+    compiled: bool
+    eager_step_time_s: float | None
+    compiled_step_time_s: float | None
+    refusal: str | None = None
+    line: str
+
+
 class SearchStats(_Part):
     candidates: int
     seconds: float
@@ -223,6 +233,7 @@ class SearchStats(_Part):
     ilp_solve_s: float = 0.0
     ilp_budgeted: int = 0
     rejected: dict[str, int] = {}
+    compile_choice: CompileChoiceInfo | None = None  # `plan(..., choose_compile=True)`: both searches, totalled
 
 
 class CheckpointCost(_Part):

@@ -170,4 +170,7 @@ def _search(report: Report) -> str:
         budgeted = (f", {plural(search.ilp_budgeted, 'solve')} under a layer's memory budget"
                     if search.ilp_budgeted else "")
         ilp = f" (ILP: {search.ilp_variables:,} variables, {search.ilp_solve_s:.1f} s{budgeted})"
-    return f"searched {plural(search.candidates, 'strategy', 'strategies')} in {search.seconds:.1f} s{ilp}"
+    searched = f"searched {plural(search.candidates, 'strategy', 'strategies')} in {search.seconds:.1f} s{ilp}"
+    if search.compile_choice is not None:
+        searched += f", eager and compiled; {search.compile_choice.line}"
+    return searched
