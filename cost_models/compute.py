@@ -71,18 +71,22 @@ CAUSAL_WORK_FRACTION = 0.5
 FALLBACK_MATMUL = 0.80
 FALLBACK_ATTENTION = 0.60
 # Fitted on plain PyTorch steps of GPT-1.3B on the lent H100 (../shared/gpu/h100-2026-11-26.json,
-# step anatomy, the dev split): vocabulary 50,257 against 50,304 cost 70.4 ms (foreach AdamW) and
-# 65.1 ms (fused) more per step; with the head's three GEMMs priced at this fraction of the aligned
-# efficiency the model gives the mean, 67.8 ms (benchmarks/gpu_rows.py --fit). Tested on autopar's
-# own runs there (unpadded, a7ddb44), which the fit did not see.
-MISALIGNED_GEMM_FACTOR = 0.175
-# Fitted likewise: `torch.compile(model.forward)` of the padded GPT-1.3B, fused AdamW, saved 39.0 ms
-# (331.7 -> 292.7 ms) of the 77.2 ms its compiled forward's vector ops and autocast's casts are priced
-# at eager (`benchmarks/gpu_rows.py --fit`). The loss ran outside the compiled forward, eager: its
-# 14.0 ms are not in that sum (fifteenth session; 0.43 counted them as compiled, and priced autopar's
-# whole-stage compile 3.1% to 7.4% slow). Tested on autopar's own compiled steps (benchmarks/gpu_runs/:
-# 2fef514 on the H100, the H200 files: the stage compiled whole, its loss in it), not seen by the fit.
-COMPILE_FUSED_FRACTION = 0.505
+# step anatomy, the dev split; the zoo model at a7ddb44, built at 50,257 and at 50,304 rows, with no
+# padded-logits mask): vocabulary 50,257 against 50,304 cost 70.4 ms (foreach AdamW) and 65.1 ms
+# (fused) more per step; with the head's three GEMMs priced at this fraction of the aligned efficiency
+# the model gives the mean, 67.8 ms (benchmarks/gpu_rows.py --fit; 0.175 while the fit traced
+# today's masked model, fifteenth session). Tested on autopar's own runs there (unpadded, a7ddb44),
+# which the fit did not see.
+MISALIGNED_GEMM_FACTOR = 0.180
+# Fitted likewise: the anatomy's "torch.compile(model.forward)" step (the 50,304-row model, fused
+# AdamW) saved 39.0 ms (331.7 -> 292.7 ms) of the 74.9 ms its compiled forward's vector ops and
+# autocast's casts are priced at eager (`benchmarks/gpu_rows.py --fit`). The loss ran outside the
+# compiled forward, eager, so its 14.0 ms are not in that sum (fifteenth session; 0.43 counted them,
+# and priced autopar's whole-stage compile 3.1% to 7.4% slow). Tested on autopar's own compiled steps
+# (benchmarks/gpu_runs/: 2fef514 on the H100, the H200 files), not seen by the fit. Those compile the
+# stage whole, its loss in it, so the loss's share is an extrapolation; compile per block (blocks
+# only, no fusion across them) has no measured row yet.
+COMPILE_FUSED_FRACTION = 0.521
 
 
 @dataclass(frozen=True)

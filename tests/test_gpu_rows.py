@@ -230,6 +230,32 @@ def test_gemm_basis_swaps_the_half_dimension_and_puts_it_back(monkeypatch):
     assert committed.matmul_for(h100) == gemm_basis.COMMITTED_FIELDS["matmul"] and committed.gemm_half_ridges == 0.0
     assert compute.ridge_point is gemm_basis.COMMITTED
 
+def test_the_loss_ops_are_the_zoo_loss_s_own(gpu_rows):
+    """What `--fit` leaves out of the compiled forward's vector ops: lm_loss's shift, fp32 cast, log-softmax
+    and NLL, forward and backward, and nothing of the model's (its position add, its norms, its casts)."""
+    import autopar
+    from autopar.models import build_model
+
+    spec = build_model("gpt3-1.3b", "layers=2,vocab=50304,vocab_multiple=1")
+    graph = autopar.trace(spec.module, spec.example_inputs(1, 2048), loss_fn=spec.loss_fn, precision="bf16",
+                          seq_len=2048)
+    kinds = sorted(node.op.split(".")[1] for node in graph.nodes if node.name in gpu_rows.loss_op_names(graph))
+    assert kinds == ["_log_softmax", "_log_softmax_backward_data", "_to_copy", "_to_copy", "nll_loss_backward",
+                     "nll_loss_forward", "ones_like", "slice", "slice", "slice_backward"]
+
+
+def test_fit_reproduces_the_committed_compute_constants(gpu_rows, capsys):
+    """`gpu_rows.py --fit` from the shared anatomy gives the constants cost_models/compute.py commits."""
+    from autopar.cost_models import compute
+
+    if not gpu_rows.SHARED.exists():
+        pytest.skip(f"the shared measurements are not here ({gpu_rows.SHARED})")
+    assert gpu_rows.fit() == 0
+    out = capsys.readouterr().out
+    assert f"MISALIGNED_GEMM_FACTOR = {compute.MISALIGNED_GEMM_FACTOR:.3f} (committed" in out
+    assert f"COMPILE_FUSED_FRACTION = {compute.COMPILE_FUSED_FRACTION:.3f} (committed" in out
+
+
 def test_the_allocator_slack_is_the_largest_reserve_of_the_runtime_s_own_unsharded_rows(gpu_rows):
     """UNSHARDED_ALLOCATOR_SLACK is re-derived from the committed rows (reserved over allocated bytes, which
     no prediction enters); rows under another allocator setting or with sharded states do not count, and
