@@ -23,7 +23,8 @@ It follows the runtime's algorithm, which the evaluator costs:
   held on several pipeline ranks (a tied embedding and head) summed once per step;
 - tp, sequence parallel: the gradients of norms (replicated weights that saw sequence shards)
   summed once per step, flattened into one all-reduce; under FSDP (ZeRO 1-3), FSDP sums them
-  itself, one all-reduce per tensor at each gradient reduce-scatter;
+  itself, one all-reduce per tensor at each gradient reduce-scatter; a table read along the sequence
+  (a position table added to the stream) has each rank's rows: gathered once per step (ZeRO 0);
 - world: the global gradient norm (when clipping) and the logged loss, one scalar each (counted
   on an axis that spans the whole world when there is one: it is the same communicator).
 Gradients are reduced in fp32 under mixed precision (as FSDP2's reduce dtype and Megatron-LM do).
@@ -165,6 +166,8 @@ def step_collectives(stages: list[list[Unit]], strategy: Strategy, precision: st
                 add(axis, "all_reduce", grad_bytes / buckets, buckets)
     for size, times in sequence_parallel_gradient_reductions([u for i in mine for u in stages[i]], s):
         add("tp", "all_reduce", size, times)
+    for size, times in sequence_indexed_gradient_gathers([u for i in mine for u in stages[i]], s):
+        add("tp", "all_gather", size, times)
     if s.tp > 1:
         for kind, size in tp_step:
             add("tp", kind, size)
@@ -285,6 +288,15 @@ def sequence_parallel_gradient_reductions(units: list[Unit], strategy: Strategy)
         syncs = s.num_microbatches if gradients_sharded(s.zero, s.pp) else 1
         return [(elements / tensors * GRADIENT_REDUCE_BYTES, tensors * syncs)]
     return [(elements * GRADIENT_REDUCE_BYTES, 1)]
+
+
+def sequence_indexed_gradient_gathers(units: list[Unit], strategy: Strategy) -> list[tuple[float, int]]:
+    """(bytes, calls) gathering the gradients of tables read along the sequence (`Unit.sequence_indexed_params`)
+    under sequence parallelism without ZeRO: one all-gather per table and step, of its fp32 gradient whole."""
+    s = strategy
+    if s.tp <= 1 or not s.sp or s.zero >= 1:
+        return []
+    return [(elements * GRADIENT_REDUCE_BYTES, 1) for u in units for elements in u.sequence_indexed_params]
 
 
 def head_vocab(facts, strategy: Strategy) -> int | None:

@@ -23,7 +23,8 @@ from typing import Callable
 from autopar.capabilities import gemm_padding_problem
 from autopar.cluster import ClusterSpec
 from autopar.plan_schema import Strategy, rank_stage_indices
-from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_parallel_gradient_reductions,
+from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_indexed_gradient_gathers,
+                                             sequence_parallel_gradient_reductions,
                                              tied_across_ranks)
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
@@ -239,6 +240,8 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
         rank_units = [u for i in stage_indices for u in stages_units[i]]
         exposed += sum(calls * collective_time_s("all_reduce", size, tp_layout, cluster)
                        for size, calls in sequence_parallel_gradient_reductions(rank_units, s))
+        exposed += sum(calls * collective_time_s("all_gather", size, tp_layout, cluster)
+                       for size, calls in sequence_indexed_gradient_gathers(rank_units, s))
         if s.tp > 1:
             exposed += sum(collective_time_s(kind, size, tp_layout, cluster) for kind, size in pricing.tp_step)
         if tied_ranks[rank]["summed"]:  # as the ledger sends it: after backward, nothing to hide behind

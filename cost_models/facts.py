@@ -126,6 +126,10 @@ class Unit:
     # sequence shard, so their gradients are summed over tp once per step.
     sequence_parallel_params: int = 0
     sequence_parallel_tensors: int = 0
+    # Replicated tables read elementwise along the sequence (a position table of shape (seq, hidden)
+    # added to the stream), elements per tensor: under sequence parallelism each rank's gradient is
+    # its positions' rows, gathered whole once per step (`runtime.parallelize._match_gradient_placements`).
+    sequence_indexed_params: tuple[int, ...] = ()
     # Tied weights this unit reads but another unit owns: (owner unit, elements, tp-sharded). A
     # pipeline rank that holds this unit without the owner keeps a copy (and syncs its gradient).
     borrowed: tuple[tuple[str, int, bool], ...] = ()
@@ -271,6 +275,8 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     cuts = cut_tensors(graph, unit_of, order, per_sample, autocast_dtypes)
     elementwise_read = {p for node in graph.nodes if node.phase == "forward"
                         and op_packet(node) not in CONTRACTIONS and op_packet(node) != "embedding" for p in node.params}
+    # read along the sequence: a table whose second-to-last dimension is the sequence's (seq, hidden)
+    by_position = {p.name for p in graph.params if graph.seq_len and len(p.shape) >= 2 and p.shape[-2] == graph.seq_len}
     tp_dims = param_tp_dims(graph, status, sharded)
     counted = sharded | column_biases(graph, tp_dims)  # what the runtime divides over tp
     read_by: dict[str, set[str]] = {}
@@ -286,10 +292,12 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
             params=sum(params[p].numel for p, u in owner.items() if u == name),
             sharded_params=sum(params[p].numel for p, u in owner.items() if u == name and p in counted),
             input_bytes=first_input.get(name, 0.0),
-            sequence_parallel_params=sum(params[p].numel for p, u in owner.items()
-                                         if u == name and p not in sharded and p in elementwise_read),
-            sequence_parallel_tensors=sum(1 for p, u in owner.items()
-                                          if u == name and p not in sharded and p in elementwise_read),
+            sequence_parallel_params=sum(params[p].numel for p, u in owner.items() if u == name
+                                         and p not in sharded and p in elementwise_read and p not in by_position),
+            sequence_parallel_tensors=sum(1 for p, u in owner.items() if u == name
+                                          and p not in sharded and p in elementwise_read and p not in by_position),
+            sequence_indexed_params=tuple(params[p].numel for p, u in owner.items() if u == name
+                                          and p not in sharded and p in elementwise_read and p in by_position),
             borrowed=tuple((owner[p], params[p].numel, p in counted)
                            for p in sorted(read_by.get(name, ())) if owner[p] != name),
             cut=cuts.get(name, ()),

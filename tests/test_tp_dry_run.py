@@ -105,7 +105,8 @@ def test_a_model_whose_tp_cannot_run_is_refused_before_anything_runs():
 
 def test_multihead_attention_stays_replicated_with_a_reason():
     """DTensor cannot shard nn.MultiheadAttention per head (its forward folds heads into the batch
-    dimension): the dry run finds where it fails, keeps that module replicated, shards the rest."""
+    dimension): the dry run finds where it fails, keeps that module replicated, shards the rest; with
+    it replicated the module rules run them (a vocabulary-parallel embedding and head)."""
     from autopar.runtime.tensor_parallel.realization import capabilities_for
     from autopar.searcher.tp_placements import planned_tp_placements
 
@@ -115,7 +116,7 @@ def test_multihead_attention_stays_replicated_with_a_reason():
     planned = planned_tp_placements({}, graph, facts, 2)
     assert planned["attn.in_proj_weight"] == "S(0)" and planned["attn.out_proj.weight"] == "S(1)"
     realization = realize(planned, 2, False, 2)
-    assert realization.name == "dtensor"
+    assert realization.name == "modules"
     assert {name: value for name, value in realization.placements.items() if value != "R"} == {
         "embed.weight": "S(0)", "head.weight": "S(0)", "head.bias": "S(0)"}
     (note,) = realization.notes
@@ -197,7 +198,7 @@ def test_with_a_live_process_group_the_dry_run_runs_in_a_subprocess():
         placements, 2, False, 2)
     ((there,),) = run_plans(1, [dict(state=model.state_dict(), placements=placements)],
                             runner=_dry_run_in_a_process_group)
-    assert there["world"] == 1 and there["name"] == here.name == "dtensor"
+    assert there["world"] == 1 and there["name"] == here.name == "modules"
     assert there["collectives"] == here.collectives and here.collectives
 
 

@@ -21,7 +21,7 @@ import dataclasses
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 
 from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities, TpBlock, TpRules
@@ -60,14 +60,24 @@ def static_capabilities(model: nn.Module) -> Capabilities:
 def plan_refusal(model: nn.Module, plan) -> str | None:
     """Why this runtime cannot run `plan` on `model` (checked before any collective), or None.
 
-    A plan realizing tp with DTensor was dry-run by the search for this model: the module rules'
-    static refusal does not bind it, but it runs without sequence parallelism and pipeline stages."""
+    The module rules' static refusal (a 2-D weight outside nn.Linear and nn.Embedding) stands for
+    placements not known yet; a plan names its own, so it is checked on those instead: such a weight
+    kept replicated runs (a position table added to the stream). A plan realizing tp with DTensor
+    was dry-run by the search for this model, and runs without sequence parallelism and pipeline
+    stages."""
     s = plan.strategy
     table = static_capabilities(model)
-    if s.tp > 1 and plan.tp_realization == "dtensor":
-        if s.sp or s.pp > 1:
-            return "the dtensor realization of tensor parallelism runs without sequence parallelism and pipeline stages"
+    if s.tp > 1:
         table = dataclasses.replace(table, tensor_parallel_refusal=None)
+        if plan.tp_realization == "dtensor":
+            if s.sp or s.pp > 1:
+                return ("the dtensor realization of tensor parallelism runs without sequence parallelism and "
+                        "pipeline stages")
+        else:
+            placements = {name: tp_placement(text) for name, text in plan.param_placements.items()}
+            reason = check_tp_placements(model, placements, s.sp)
+            if reason is not None:
+                return reason
     return table.supports(s)
 
 
@@ -120,7 +130,9 @@ def tensor_parallel_refusal(model: nn.Module) -> str | None:
 
     The cost model shards every 2-D weight a matmul reads; the runtime shards only nn.Linear and
     nn.Embedding weights, so a module with another 2-D weight (e.g. GPT-2's Conv1D, whose weight is
-    stored (in, out)) would be planned sharded but could not run so.
+    stored (in, out)) would be planned sharded but could not run so. This is the refusal while
+    placements are unknown; known placements are checked as they are (`check_tp_placements`: such a
+    weight kept replicated runs), by the dry runs and by `plan_refusal`.
     """
     for path, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -247,8 +259,10 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                                f"Embedding parameters: keep it R")
         elif own and sp:
             # Norms (and any module with its own weights) run on sequence shards: their weights
-            # become replicated DTensors, so their gradients are summed over tp.
-            styles[path] = SequenceParallel()
+            # become replicated DTensors, so their gradients are summed over tp. A module with children
+            # (the root's position table beside its embedding) keeps its inputs as they come: only its
+            # own weights become replicated DTensors, read with the sequence-sharded stream.
+            styles[path] = SequenceParallel() if not any(True for _ in module.children()) else _ReplicatedOwn()
     for path, module in model.named_modules():
         children = _linear_children(path, module)
         child_kinds = {kinds.get(c) for c in children if c != head_path}
@@ -269,8 +283,49 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                     f"runs column-parallel inputs first and its row-parallel output last"
                 )
             keep_shard = any(path == layer or path.startswith(f"{layer}.") for layer in shard_layers or ())
-            styles[path] = _BlockInput(sp, path, keep_shard)
+            columns = [c for c in children if kinds.get(c) == "col"]
+            if len(columns) == 1 and _other_layers(module, children):
+                # A residual block holding its MLP's two linears beside its norms (and attention): its own
+                # input feeds those, so the one column-parallel linear's input is the block input instead
+                # (the same tensor where the module's input feeds only that linear).
+                styles[columns[0]] = _Chained(_BlockInput(sp, columns[0], keep_shard), styles[columns[0]])
+            else:
+                styles[path] = _BlockInput(sp, path, keep_shard)
     return styles
+
+
+def _other_layers(module: nn.Module, linear_children: list[str]) -> list[str]:
+    """A module's direct children with parameters that are not its Linear children (norms, attention)."""
+    linears = {path.rpartition(".")[2] for path in linear_children}
+    return [name for name, child in module.named_children()
+            if name not in linears and any(True for _ in child.parameters())]
+
+
+class _ReplicatedOwn(ParallelStyle):
+    """A module's own parameters (not its children's) as replicated DTensors over tp; no input or output
+    hooks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module._parameters.items()):
+            if param is not None and not isinstance(param, DTensor):
+                module.register_parameter(name, nn.Parameter(
+                    distribute_tensor(param.data, device_mesh, [Replicate()], src_data_rank=self.src_data_rank),
+                    requires_grad=param.requires_grad))
+        return module
+
+
+class _Chained(ParallelStyle):
+    """Several styles on one module, applied in order (their input hooks run in that order)."""
+
+    def __init__(self, *styles: ParallelStyle) -> None:
+        super().__init__()
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in self.styles:
+            style.src_data_rank = self.src_data_rank
+            module = style._apply(module, device_mesh)
+        return module
 
 
 class _BlockInput(ParallelStyle):

@@ -118,11 +118,11 @@ class TensorParallelRealizer:
         return None
 
     def _realize(self, placements, tp, sp, microbatch, policy, recompute) -> TpRealization:
-        from autopar.runtime.tensor_parallel.module_rules import check_tp_placements, tensor_parallel_refusal
+        from autopar.runtime.tensor_parallel.module_rules import check_tp_placements
 
         common = dict(tp=tp, placements=tuple(sorted(placements.items())), microbatch=microbatch,
                       precision=self.precision, recompute=recompute, recompute_policy=policy)
-        reason = tensor_parallel_refusal(self.model) or check_tp_placements(self.model, placements, sp)
+        reason = check_tp_placements(self.model, placements, sp)
         if reason is None:
             head_weight = placements.get(f"{self.head_path}.weight", "R") if self.head_path else "R"
             spec = DryRunSpec(realization=MODULES, sp=sp, head_path=self.head_path,
