@@ -104,6 +104,8 @@ class Capabilities:
     # on this runtime, whatever the placements; None when it can, or when no model is at hand.
     tensor_parallel_refusal: str | None = None
     pipeline_refusal: str | None = None
+    # Why the model cannot run sequence parallelism (tp > 1 with sp) whatever the placements; None when it can.
+    sequence_parallel_refusal: str | None = None
     # The same runtime's rules as data, for the ILP to offer only what `check_placements` accepts;
     # None when no model is at hand (no rules).
     tp_rules: TpRules | None = None
@@ -145,6 +147,8 @@ class Capabilities:
             return self.tensor_parallel_refusal
         if strategy.pp > 1 and self.pipeline_refusal:
             return self.pipeline_refusal
+        if strategy.tp > 1 and strategy.sp and self.sequence_parallel_refusal:
+            return self.sequence_parallel_refusal
         for knob, runtime in _RUNTIME_KNOBS:  # priced for other software; the runtime runs its own values only
             value = getattr(strategy, knob)
             others = RUNTIME_ALTERNATIVES.get(knob, ())

@@ -292,11 +292,13 @@ def sequence_parallel_gradient_reductions(units: list[Unit], strategy: Strategy)
 
 def sequence_indexed_gradient_gathers(units: list[Unit], strategy: Strategy) -> list[tuple[float, int]]:
     """(bytes, calls) gathering the gradients of tables read along the sequence (`Unit.sequence_indexed_params`)
-    under sequence parallelism without ZeRO: one all-gather per table and step, of its fp32 gradient whole."""
+    under sequence parallelism: one all-gather of each table's fp32 gradient whole per gradient sync (once
+    a step; under FSDP, at each of its gradient reduce-scatters)."""
     s = strategy
-    if s.tp <= 1 or not s.sp or s.zero >= 1:
+    if s.tp <= 1 or not s.sp:
         return []
-    return [(elements * GRADIENT_REDUCE_BYTES, 1) for u in units for elements in u.sequence_indexed_params]
+    syncs = s.num_microbatches if s.zero >= 1 and gradients_sharded(s.zero, s.pp) else 1
+    return [(elements * GRADIENT_REDUCE_BYTES, syncs) for u in units for elements in u.sequence_indexed_params]
 
 
 def head_vocab(facts, strategy: Strategy) -> int | None:

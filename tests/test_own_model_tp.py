@@ -1,8 +1,9 @@
 """Tensor parallelism by the module rules on a model written here in plain torch, as users write one: a
 bare position table beside the embedding, attention in a module of its own, and the MLP's two Linears
 held by the residual block itself, beside its norms. It trains like one process (losses and final
-weights), with and without sequence parallelism and recompute, and sends the collectives its plan
-predicted (`tests/test_runtime_parity.py`'s checks)."""
+weights) under each recompute policy, and sends the collectives its plan predicted
+(`tests/test_runtime_parity.py`'s checks). Sequence parallelism runs once the table is a module of its
+own; beside the embedding it is refused before anything runs."""
 
 from __future__ import annotations
 
@@ -47,25 +48,42 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
-class OwnLM(nn.Module):
+class PositionTable(nn.Module):
+    """A learned table added to the stream, as a module of its own."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.table = nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table
+
+
+class OwnLM(nn.Module):
+    """`table_module`: the position table in a module of its own, else a bare parameter of the model."""
+
+    def __init__(self, table_module: bool = False) -> None:
+        super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.pos = nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.02)  # a bare table, not an nn.Embedding
+        if table_module:
+            self.positions = PositionTable()
+        else:
+            self.pos = nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.02)  # a bare table, not an nn.Embedding
         self.blocks = nn.ModuleList(Block() for _ in range(3))
         self.norm, self.head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids) + self.pos
+        x = self.embed(ids)
+        x = self.positions(x) if hasattr(self, "positions") else x + self.pos
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
 
 
-def build() -> OwnLM:
+def build(table_module: bool = False) -> OwnLM:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        return OwnLM()
+        return OwnLM(table_module)
 
 
 def loss_fn(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -75,20 +93,20 @@ def loss_fn(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def run_job(job: dict) -> dict:
     from autopar.plan_schema import Plan
 
-    return train_parallel(build(), loss_fn, Plan.from_json(job["plan"]), job["data"])
+    return train_parallel(build(job["table_module"]), loss_fn, Plan.from_json(job["plan"]), job["data"])
 
 
-def _plan(strategy: dict):
-    return plan_for(build(), (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),), loss_fn, name="own-lm",
-                    seq_len=SEQ, heads=HEADS, kv_heads=HEADS, vocab=VOCAB, strategy=strategy, world=2,
+def _plan(strategy: dict, table_module: bool = False):
+    return plan_for(build(table_module), (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),), loss_fn,
+                    name="own-lm", seq_len=SEQ, heads=HEADS, kv_heads=HEADS, vocab=VOCAB, strategy=strategy, world=2,
                     global_batch=GLOBAL_BATCH)
 
 
 STRATEGIES = [dict(dp=1, tp=2, pp=1, zero=0, microbatch=4, recompute="none", sp=False),
               dict(dp=1, tp=2, pp=1, zero=0, microbatch=2, recompute="full", sp=False),
-              dict(dp=1, tp=2, pp=1, zero=0, microbatch=4, recompute="selective", sp=False),
-              dict(dp=1, tp=2, pp=1, zero=0, microbatch=4, recompute="none", sp=True),
-              dict(dp=1, tp=2, pp=1, zero=0, microbatch=2, recompute="selective", sp=True)]
+              dict(dp=1, tp=2, pp=1, zero=0, microbatch=4, recompute="selective", sp=False)]
+WITH_SP = [dict(dp=1, tp=2, pp=1, zero=0, microbatch=4, recompute="none", sp=True),
+           dict(dp=1, tp=2, pp=1, zero=0, microbatch=2, recompute="selective", sp=True)]
 
 
 def test_module_rules_train_a_users_own_model_like_one_process():
@@ -96,20 +114,31 @@ def test_module_rules_train_a_users_own_model_like_one_process():
 
     generator = torch.Generator().manual_seed(SEED + 1)
     data = [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator) for _ in range(STEPS)]
-    plans = [_plan(strategy) for strategy in STRATEGIES]
+    cases = [(strategy, False) for strategy in STRATEGIES] + [(strategy, True) for strategy in WITH_SP]
+    plans = [_plan(strategy, table_module) for strategy, table_module in cases]
     assert [plan.tp_realization for plan in plans] == ["modules"] * len(plans)  # not DTensor's fallback
-    results = run_plans(2, [dict(plan=plan.to_json(), data=data) for plan in plans], runner=run_job)
-    losses, state = train_reference(copy.deepcopy(build()), loss_fn, data)
-    for plan, ranks, strategy in zip(plans, results, STRATEGIES):
+    results = run_plans(2, [dict(plan=plan.to_json(), data=data, table_module=table_module)
+                            for plan, (_, table_module) in zip(plans, cases)], runner=run_job)
+    for plan, ranks, (strategy, table_module) in zip(plans, results, cases):
+        losses, state = train_reference(copy.deepcopy(build(table_module)), loss_fn, data)
         _check(strategy, plan, ranks, losses, state)
+
+
+def test_sequence_parallelism_with_a_bare_table_beside_the_embedding_is_refused_before_anything_runs():
+    from autopar.errors import AutoparError
+
+    with pytest.raises(AutoparError) as refused:
+        _plan(WITH_SP[0])
+    assert "sequence parallelism does not run on this model: pos is a parameter of OwnLM, beside its " \
+           "submodules" in str(refused.value)
 
 
 def test_the_position_tables_gradient_is_gathered_under_sequence_parallelism():
     """Each rank's position-table gradient holds its own positions' rows: one all-gather of it whole per
     step (fp32), priced beside the norms' summed gradients."""
-    ledger = {row.kind: (row.calls, row.bytes) for row in _plan(STRATEGIES[3]).predicted.collectives[0]
+    ledger = {row.kind: (row.calls, row.bytes) for row in _plan(WITH_SP[0], True).predicted.collectives[0]
               if row.axis == "tp"}
-    without = {row.kind: (row.calls, row.bytes) for row in _plan(STRATEGIES[0]).predicted.collectives[0]
+    without = {row.kind: (row.calls, row.bytes) for row in _plan(STRATEGIES[0], True).predicted.collectives[0]
                if row.axis == "tp"}
     assert "all_gather" not in without
     gathers = 2 * (3 * 2 + 1)  # each block's two inputs and the head's, gathered in forward and in backward
@@ -139,16 +168,34 @@ def test_one_column_parallel_linear_beside_other_layers_gathers_its_own_input():
     assert isinstance(qk["attn"], _BlockInput) and not isinstance(qk["attn.q"], _Chained)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_the_plan_file_check_reads_the_plans_own_placements(sp):
+def test_the_plan_file_check_reads_the_plans_own_placements():
     """A bare 2-D parameter outside nn.Linear/nn.Embedding refuses the module rules only while
     placements are unknown; a plan that keeps it replicated is accepted before anything runs."""
     from autopar.runtime.tensor_parallel.module_rules import plan_refusal, static_capabilities
 
-    plan = _plan(STRATEGIES[3 if sp else 0])
+    plan = _plan(STRATEGIES[0])
     assert plan.param_placements["pos"] == "RR"
     assert static_capabilities(build()).tensor_parallel_refusal is not None  # without placements
     assert plan_refusal(build(), plan) is None
     sharded = plan.model_copy(update={"param_placements": {**plan.param_placements, "pos": "RS(0)"}})
     assert "pos is S(0) over tp, but the runtime shards only Linear and Embedding parameters" in plan_refusal(
         build(), sharded)
+    with_sp = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"sp": True})})
+    assert plan_refusal(build(), with_sp).startswith("sequence parallelism does not run on this model")
+
+
+@pytest.mark.slow  # ~40 s on 4 processes
+def test_sequence_parallelism_with_pipeline_stages_on_four_processes():
+    """Pipeline stages hand on local shards: the table's module gives one back (it gave a DTensor, which
+    the next block's residual add refused mid-step)."""
+    from test_runtime_parity import _check
+
+    generator = torch.Generator().manual_seed(SEED + 1)
+    data = [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator) for _ in range(STEPS)]
+    strategy = dict(dp=1, tp=2, pp=2, schedule="1f1b", zero=0, microbatch=2, recompute="none", sp=True)
+    plan = plan_for(build(True), (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),), loss_fn, name="own-lm",
+                    seq_len=SEQ, heads=HEADS, kv_heads=HEADS, vocab=VOCAB, strategy=strategy, world=4,
+                    global_batch=GLOBAL_BATCH)
+    (ranks,) = run_plans(4, [dict(plan=plan.to_json(), data=data, table_module=True)], runner=run_job)
+    losses, state = train_reference(copy.deepcopy(build(True)), loss_fn, data)
+    _check(strategy, plan, ranks, losses, state)

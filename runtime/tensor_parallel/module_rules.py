@@ -21,7 +21,7 @@ import dataclasses
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 
 from autopar.capabilities import RUNTIME_CAPABILITIES, Capabilities, TpBlock, TpRules
@@ -53,6 +53,7 @@ def static_capabilities(model: nn.Module) -> Capabilities:
     return dataclasses.replace(RUNTIME_CAPABILITIES,
                                check_placements=lambda placements: check_tp_placements(model, placements, sp=False),
                                tensor_parallel_refusal=tensor_parallel_refusal(model),
+                               sequence_parallel_refusal=sequence_parallel_refusal(model),
                                pipeline_refusal=pipeline_refusal(model),
                                tp_rules=tp_rules(model))
 
@@ -123,6 +124,21 @@ def tp_rules(model: nn.Module) -> TpRules:
     allowed = {name: by_param.get(key, ("R",)) for key, names in aliases.items() for name in names}
     return TpRules(allowed=allowed, bias_follows=bias_follows, blocks=tuple(blocks),
                    tied=tuple(tuple(names) for names in aliases.values() if len(names) > 1))
+
+
+def sequence_parallel_refusal(model: nn.Module) -> str | None:
+    """Why `model` cannot run sequence parallelism under the module rules, or None: a module with
+    children that owns parameters itself (a bare position table or start token beside the embedding)
+    reads them with the stream, whose sequence shards they would have to follow, which the rules do
+    not arrange (a leaf module's own weights, a norm's or a position table's, do: SequenceParallel)."""
+    for path, module in model.named_modules():
+        own = [attr for attr, param in module._parameters.items() if param is not None]
+        if own and any(True for _ in module.children()):
+            where = f"{path}.{own[0]}" if path else own[0]
+            return (f"sequence parallelism does not run on this model: {where} is a parameter of "
+                    f"{type(module).__name__}, beside its submodules, which the rules cannot give the stream's "
+                    f"sequence shards (hold it in a module of its own, or keep sp=false)")
+    return None
 
 
 def tensor_parallel_refusal(model: nn.Module) -> str | None:
@@ -260,9 +276,11 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
         elif own and sp:
             # Norms (and any module with its own weights) run on sequence shards: their weights
             # become replicated DTensors, so their gradients are summed over tp. A module with children
-            # (the root's position table beside its embedding) keeps its inputs as they come: only its
-            # own weights become replicated DTensors, read with the sequence-sharded stream.
-            styles[path] = SequenceParallel() if not any(True for _ in module.children()) else _ReplicatedOwn()
+            # (`sequence_parallel_refusal`) is refused before this.
+            if any(True for _ in module.children()):
+                raise AutoparError(sequence_parallel_refusal(model))
+            # pipeline stages hand on local shards: a table added to the stream must give one back
+            styles[path] = SequenceParallel(use_local_output=not dtensor_stream)
     for path, module in model.named_modules():
         children = _linear_children(path, module)
         child_kinds = {kinds.get(c) for c in children if c != head_path}
@@ -283,7 +301,7 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
                     f"runs column-parallel inputs first and its row-parallel output last"
                 )
             keep_shard = any(path == layer or path.startswith(f"{layer}.") for layer in shard_layers or ())
-            columns = [c for c in children if kinds.get(c) == "col"]
+            columns = [c for c in children if kinds.get(c) == "col" and c != head_path]
             if len(columns) == 1 and _other_layers(module, children):
                 # A residual block holding its MLP's two linears beside its norms (and attention): its own
                 # input feeds those, so the one column-parallel linear's input is the block input instead
@@ -299,19 +317,6 @@ def _other_layers(module: nn.Module, linear_children: list[str]) -> list[str]:
     linears = {path.rpartition(".")[2] for path in linear_children}
     return [name for name, child in module.named_children()
             if name not in linears and any(True for _ in child.parameters())]
-
-
-class _ReplicatedOwn(ParallelStyle):
-    """A module's own parameters (not its children's) as replicated DTensors over tp; no input or output
-    hooks."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module._parameters.items()):
-            if param is not None and not isinstance(param, DTensor):
-                module.register_parameter(name, nn.Parameter(
-                    distribute_tensor(param.data, device_mesh, [Replicate()], src_data_rank=self.src_data_rank),
-                    requires_grad=param.requires_grad))
-        return module
 
 
 class _Chained(ParallelStyle):
