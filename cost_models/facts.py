@@ -128,7 +128,8 @@ class Unit:
     sequence_parallel_tensors: int = 0
     # Replicated tables read elementwise along the sequence (a position table of shape (seq, hidden)
     # added to the stream), elements per tensor: under sequence parallelism each rank's gradient is
-    # its positions' rows, gathered whole once per step (`runtime.parallelize._match_gradient_placements`).
+    # its positions' rows, gathered whole at each gradient sync (`runtime.parallelize._match_gradient_placements`
+    # once a step; FSDP's reduce-scatters under ZeRO: `collectives.sequence_indexed_gradient_gathers`).
     sequence_indexed_params: tuple[int, ...] = ()
     # Tied weights this unit reads but another unit owns: (owner unit, elements, tp-sharded). A
     # pipeline rank that holds this unit without the owner keeps a copy (and syncs its gradient).

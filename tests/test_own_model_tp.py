@@ -199,3 +199,18 @@ def test_sequence_parallelism_with_pipeline_stages_on_four_processes():
     (ranks,) = run_plans(4, [dict(plan=plan.to_json(), data=data, table_module=True)], runner=run_job)
     losses, state = train_reference(copy.deepcopy(build(True)), loss_fn, data)
     _check(strategy, plan, ranks, losses, state)
+
+
+def test_a_table_module_hands_pipeline_stages_local_shards():
+    """What the slow pp test runs, on one process: under sp with the logits gathered (the stream of
+    pipeline stages: local shards), the table's module gives back a local shard for the residual add."""
+    from autopar.runtime.tensor_parallel.dry_run import MODULES, DryRunSpec, dry_run
+    from autopar.runtime.tensor_parallel.module_rules import tp_placement
+
+    plan = _plan(WITH_SP[0], True)
+    placements = {name: tp_placement(text) for name, text in plan.param_placements.items()}
+    spec = DryRunSpec(realization=MODULES, sp=True, head_path="head", vocab_parallel_loss=False, tp=2,
+                      placements=tuple(sorted(placements.items())), microbatch=1, precision="fp32", recompute=(),
+                      recompute_policy="none")
+    outcome = dry_run(build(True), torch.zeros(1, SEQ, dtype=torch.long), loss_fn, spec)
+    assert outcome.ok, outcome.reason

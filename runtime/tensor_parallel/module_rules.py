@@ -130,15 +130,27 @@ def sequence_parallel_refusal(model: nn.Module) -> str | None:
     """Why `model` cannot run sequence parallelism under the module rules, or None: a module with
     children that owns parameters itself (a bare position table or start token beside the embedding)
     reads them with the stream, whose sequence shards they would have to follow, which the rules do
-    not arrange (a leaf module's own weights, a norm's or a position table's, do: SequenceParallel)."""
+    not arrange. A leaf module's own weights run on the shards (SequenceParallel): a norm's, or a
+    table of exactly the sequence's length added to the stream (the dry run refuses other reads)."""
     for path, module in model.named_modules():
-        own = [attr for attr, param in module._parameters.items() if param is not None]
-        if own and any(True for _ in module.children()):
+        own = _own_beside_children(module)
+        if own:
             where = f"{path}.{own[0]}" if path else own[0]
             return (f"sequence parallelism does not run on this model: {where} is a parameter of "
                     f"{type(module).__name__}, beside its submodules, which the rules cannot give the stream's "
                     f"sequence shards (hold it in a module of its own, or keep sp=false)")
     return None
+
+
+def _own_beside_children(module: nn.Module) -> list[str]:
+    """The parameters a module owns beside children that hold parameters (not a tied alias of theirs);
+    Linear and Embedding modules run as projections and lookups whatever they hold."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return []
+    held = {id(p) for child in module.children() for p in child.parameters()}
+    if not held:
+        return []
+    return [attr for attr, param in module._parameters.items() if param is not None and id(param) not in held]
 
 
 def tensor_parallel_refusal(model: nn.Module) -> str | None:
@@ -277,7 +289,7 @@ def _styles(model: nn.Module, placements: dict[str, str], sp: bool, head_path: s
             # Norms (and any module with its own weights) run on sequence shards: their weights
             # become replicated DTensors, so their gradients are summed over tp. A module with children
             # (`sequence_parallel_refusal`) is refused before this.
-            if any(True for _ in module.children()):
+            if _own_beside_children(module):
                 raise AutoparError(sequence_parallel_refusal(model))
             # pipeline stages hand on local shards: a table added to the stream must give one back
             styles[path] = SequenceParallel(use_local_output=not dtensor_stream)
