@@ -97,8 +97,13 @@ def test_tp2_parity_more_families_recompute_and_searched_placements():
 @pytest.mark.slow
 def test_tp2_parity_of_the_intra_op_ilp_placements_through_dtensor():
     """The search with the intra-op ILP on, tp=2 fixed: its proposals are dry-run and priced as they run."""
-    plans = _parity([("gpt2", dict(dp=1, tp=2, pp=1, microbatch=4))], use_ilp=True)
-    assert plans[0].op_placements and plans[0].tp_realization == "dtensor"
+    (plan,) = _parity([("gpt2", dict(dp=1, tp=2, pp=1, microbatch=4))], use_ilp=True)
+    conv1d = [value for name, value in plan.param_placements.items()
+              if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))]
+    assert plan.op_placements and conv1d
+    # the module rules shard no Conv1D weight: a choice that shards one runs through DTensor, one that
+    # keeps them replicated under the module rules (since the fifteenth session)
+    assert plan.tp_realization == ("dtensor" if any(value != "RR" for value in conv1d) else "modules")
 
 
 @pytest.mark.slow
