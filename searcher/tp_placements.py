@@ -22,7 +22,7 @@ from autopar.cost_models.placed_collectives import dry_run_ledger
 from autopar.cost_models.recompute import recomputed_units
 
 if TYPE_CHECKING:
-    from autopar.searcher.search import Candidate
+    from autopar.searcher.refiner import Candidate
 
 
 def module_rules_refusal(capabilities: Capabilities, graph: OpGraph, facts: ModelFacts) -> str | None:
@@ -84,7 +84,7 @@ def planned_tp_placements(param_placements: dict[str, str], graph: OpGraph, fact
                           tp: int) -> dict[str, str]:
     """The tp placement of every parameter of a plan: the candidate's own, Megatron's where it has
     none; the bias of a projection whose outputs are split, split with them (`output_biases`). `build_plan` writes exactly these,
-    so the runtime check in `search.Refiner.refine` sees what will run."""
+    so the runtime check in `refiner.Refiner.refine` sees what will run."""
     placements = {}
     for param in graph.params:
         placement = param_placements.get(param.name)

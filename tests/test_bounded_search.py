@@ -15,7 +15,8 @@ from autopar.cost_models.pipeline import estimate, estimated_step_s
 from autopar.cost_models.stage_costs import CostCache
 from autopar.searcher.bounded import bounded_quick_evaluations
 from autopar.searcher.candidates import evaluate_fitted, quick_evaluations, valid_strategies
-from autopar.searcher.search import REFINE_TOP, _rank_key, search
+from autopar.searcher.refiner import rank_key
+from autopar.searcher.search import REFINE_TOP, search
 from autopar.searcher.why_not import compared_groups
 
 GPT = "layers=8,hidden=512,heads=8,vocab=4096,seq_len=256"
@@ -87,11 +88,11 @@ def test_bounded_ranking_skips_completions_and_keeps_the_top(zoo_trace):
     supports = RUNTIME_CAPABILITIES.supports
     full, count, rejected = quick_evaluations(facts, cluster, {}, 128, layers=8, supports=supports)
     kept, kept_count, kept_rejected = bounded_quick_evaluations(
-        facts, cluster, {}, 128, layers=8, rank_key=_rank_key, keep=REFINE_TOP,
+        facts, cluster, {}, 128, layers=8, rank_key=rank_key, keep=REFINE_TOP,
         groups=compared_groups(facts, cluster), supports=supports)
     assert (kept_count, kept_rejected) == (count, rejected)
     assert len(kept) < len(full) / 2
-    assert sorted(kept, key=_rank_key)[:REFINE_TOP] == sorted(full, key=_rank_key)[:REFINE_TOP]
+    assert sorted(kept, key=rank_key)[:REFINE_TOP] == sorted(full, key=rank_key)[:REFINE_TOP]
 
 
 def test_floors_are_under_every_quick_step_and_peak_and_exact_without_the_terms_they_leave_out(zoo_trace):

@@ -9,7 +9,7 @@ from autopar.cost_models.compute import DEFAULT_EFFICIENCY
 from autopar.cost_models.memory import RESERVED_BYTES, fragmentation, usable_bytes
 from autopar.runtime.tensor_parallel.realization import capabilities_for
 from autopar.searcher.memory_budget import layer_budget
-from autopar.searcher.search import Refiner
+from autopar.searcher.refiner import Refiner
 
 pytest.importorskip("ortools")
 
@@ -175,7 +175,7 @@ def test_the_partition_weighs_each_rank_as_the_evaluator_does(tiny, monkeypatch,
     transient or the loss's gradients, against capacity less the buffers) are the evaluator's peak for
     that rank, its allocator margin apart: full recompute keeps a layer's fp32 input under autocast
     (twice its traced bytes), not the no-recompute ratio."""
-    import autopar.searcher.search as search_module
+    import autopar.searcher.refiner as refiner_module
     from autopar.cost_models.evaluate import evaluate, partition as even_partition
     from autopar.cost_models.pipeline import estimate
     from autopar.searcher.memory_budget import buffer_bytes
@@ -184,7 +184,7 @@ def test_the_partition_weighs_each_rank_as_the_evaluator_does(tiny, monkeypatch,
     cluster = load_cluster("dgx-h100", gpus=4)
     s = Strategy(dp=2, tp=1, pp=2, microbatch=1, num_microbatches=4, recompute=recompute, **changes)
     captured = {}
-    monkeypatch.setattr(search_module, "dp_partition", lambda costs, *a, **k: captured.update(costs=costs))
+    monkeypatch.setattr(refiner_module, "dp_partition", lambda costs, *a, **k: captured.update(costs=costs))
     refiner(spec, graph, facts, cluster)._partition(facts, s)
     costs = dict(zip((u.name for u in facts.units), captured["costs"]))
     stages = even_partition(facts, s.pp)

@@ -16,7 +16,8 @@ from autopar.cost_models.facts import model_facts
 from autopar.runtime.tensor_parallel.realization import capabilities_for
 from autopar.searcher.intra_op import solve_unit
 from autopar.searcher.intra_op_rules import equal, forbidden
-from autopar.searcher.search import Refiner, search
+from autopar.searcher.refiner import Refiner
+from autopar.searcher.search import search
 from autopar.searcher.tp_placements import one_each_proposal, planned_tp_placements
 
 CLUSTER = load_cluster("dgx-h100", gpus=8)

@@ -202,7 +202,7 @@ def test_a_tied_embedding_and_head_are_costed_and_planned_with_one_placement(sma
     from autopar.capabilities import RUNTIME_CAPABILITIES
     from autopar.cost_models.compute import DEFAULT_EFFICIENCY
     from autopar.runtime.tensor_parallel.module_rules import tp_placement
-    from autopar.searcher.search import Refiner
+    from autopar.searcher.refiner import Refiner
     from autopar.searcher.tp_placements import one_each_proposal
 
     graph, facts = small
