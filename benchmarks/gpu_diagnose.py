@@ -32,11 +32,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_suite  # noqa: E402
+import gpu_suite_plans  # noqa: E402
 from gpu_clock import ClockSampler  # noqa: E402
 
 DEFAULT_CASES = "g13-mb8-sel,g13-mb8-none,g13-mb8-none-compile,g27-mb4-offload"
 # two micro-batches, so that the smoke run sees gradients accumulated
-SMOKE_CASE = ("smoke-mb2x2", "gpt", gpu_suite.SMOKE_CONFIG, 64, 4, "fp32",
+SMOKE_CASE = ("smoke-mb2x2", "gpt", gpu_suite_plans.SMOKE_CONFIG, 64, 4, "fp32",
               "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=2", False)
 KINDS = [  # first match wins
     ("copy", re.compile(r"^Memcpy|^Memset")),
@@ -191,12 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per plan for the phases")
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT on CPU: checks the script, nothing else")
     args = parser.parse_args(argv)
-    wanted = [SMOKE_CASE] if args.smoke else [c for c in gpu_suite.PLANS if c[0] in set(args.cases.split(","))]
+    wanted = [SMOKE_CASE] if args.smoke else [c for c in gpu_suite_plans.PLANS if c[0] in set(args.cases.split(","))]
     if args.plans:
         carried = json.loads(Path(args.plans).read_text())
         made, made_at = carried["plans"], carried["commit"]
     else:
-        made, made_at = gpu_suite.make_plans(wanted, lambda line: print(line, flush=True)), gpu_suite.commit()
+        made, made_at = gpu_suite_plans.make_plans(wanted, lambda line: print(line, flush=True)), gpu_suite.commit()
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     record = {"device": device, "torch": torch.__version__, "commit": gpu_suite.commit(), "plans_made_at": made_at,
               "rows": []}
-    again = [(c, "cudnn") for c in ([SMOKE_CASE] if args.smoke else gpu_suite.PLANS) if c[0] in set(args.cudnn_attention.split(","))]
+    again = [(c, "cudnn") for c in ([SMOKE_CASE] if args.smoke else gpu_suite_plans.PLANS) if c[0] in set(args.cudnn_attention.split(","))]
     for case, attention in [(c, None) for c in wanted] + again:
         started = time.perf_counter()
         row = diagnose(case, made[case[0]], args.device, args.steps, attention) \

@@ -4,7 +4,7 @@ predicted against measured on a dozen plans, and the op profile, each goal with 
     python benchmarks/gpu_suite.py --out $OUT/gpu_suite.json [--plans plans.json] [--budget-s 470]
 
 Plans are made with `autopar.plan` for one GPU of the `--cluster` preset (`dgx-h100` unless
-named, `dgx-h200` for an H200; strategy fixed as listed in PLANS, plus two the search chooses)
+named, `dgx-h200` for an H200; strategy fixed as listed in `gpu_suite_plans.PLANS`, plus two the search chooses)
 and run through `parallelize` → `ParallelModel.train_step` with the optimizer the runtime builds
 (`ParallelModel.build_optimizer`). `--predict-only --out plans.json`
 makes them without a GPU (tracing and search on CPU), so the device's minutes go to measuring;
@@ -42,60 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_baselines import plain_step, reference_step  # noqa: E402
-
-GPT13 = ("gpt3-1.3b", None, 2048)
-# (case, model, model_config, seq_len, global_batch, precision, fixed strategy or None for the search's, compile:
-# True, False, or CHOOSE: searched both ways, the plan predicted faster kept, as `autopar run` does on a GPU)
-CHOOSE = "choose"
-PLANS = [
-    # run first, before any `parallelize` turns expandable segments on (runtime/allocator.py): the same
-    # plan as g13-mb8-full under the allocator's default, so reserved memory compares both settings
-    ("g13-mb8-full-default-allocator", *GPT13, 8, "bf16",
-     "dp=1,tp=1,pp=1,zero=0,recompute=full,microbatch=8", False),
-    ("g13-mb8-none", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", False),
-    ("g13-mb8-sel", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=selective,microbatch=8", False),
-    # fp16 under the runtime's dynamic loss scale (twelfth session): priced as bf16 is; not yet measured
-    ("g13-mb8-none-fp16", *GPT13, 8, "fp16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", False),
-    ("g13-mb4x2-none", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=4", False),
-    ("g13-mb2x4-none", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=2", False),
-    ("g13-mb1x8-none", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=1", False),
-    ("g13-mb8-full", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=full,microbatch=8", False),
-    ("g13-searched", *GPT13, 8, "bf16", None, False),
-    # the plan `autopar run --cluster local` trains on a GPU (compile chosen): the chosen plan's goal
-    ("g13-chosen", *GPT13, 8, "bf16", None, CHOOSE),
-    # the search's choice at a batch that fills the GPU's memory: the no-out-of-memory goal on the plan
-    # the searcher would hand a user, not only on fixed ones
-    ("g13-b32-searched", *GPT13, 32, "bf16", None, False),
-    ("g13-mb8-none-compile", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", True),
-    # the same plan unpadded: inductor pads misaligned matmuls itself (priced so since 4337bc4), and its
-    # losses against the padded row's check the padded-logits mask under inductor
-    ("g13-unpadded-compile", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
-     "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", True),
-    # a misaligned head as a user's model has it (vocabulary 50,257): padded at runtime (83020cf), and
-    # the same plan with the padding turned off, the what-if the cost model prices both ways (the
-    # runtime refuses that plan, so the row runs the padded plan with the padding patched out:
-    # `unpadded_runtime`, a measurement only)
-    ("g13-unpadded-eager", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
-     "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", False),
-    ("g13-unpadded-eager-nopad", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
-     "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8,gemm_padding=false", False),
-    ("g13-mb16-full", *GPT13, 16, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=full,microbatch=16", False),
-    ("g124-fp32-mb8", "gpt2-124m", None, 1024, 8, "fp32", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", False),
-    ("llama-1.5b-mb4", "llama", "layers=16,hidden=2048,heads=16,kv_heads=8,vocab=128256,seq_len=2048", 2048, 4,
-     "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=4", False),
-    ("g27-mb4-full", "gpt3-2.7b", None, 2048, 4, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=full,microbatch=4", False),
-    ("g27-mb4-offload", "gpt3-2.7b", None, 2048, 4, "bf16",
-     "dp=1,tp=1,pp=1,zero=3,recompute=full,microbatch=4,offload=optimizer", False),
-    # Llama compiled whole (thirteenth session: compile parity on Llama on CPU); last, so that the
-    # budget drops it before the rows above
-    ("llama-1.5b-mb4-compile", "llama", "layers=16,hidden=2048,heads=16,kv_heads=8,vocab=128256,seq_len=2048",
-     2048, 4, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=4", True),
-]
-SMOKE_CONFIG = "layers=2,hidden=64,heads=4,vocab=257,seq_len=64"
-SMOKE_PLANS = [
-    ("smoke-mb4", "gpt", SMOKE_CONFIG, 64, 4, "fp32", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=4", False),
-    ("smoke-searched", "gpt", SMOKE_CONFIG, 64, 4, "fp32", None, False),
-]
+from gpu_suite_goals import (DEFAULT_ALLOCATOR_CASES, attention_flops_per_token, mfu,  # noqa: E402
+                             mfu_with_attention, params_of, verdicts)
+from gpu_suite_plans import GPT13, PLANS, SMOKE_CONFIG, SMOKE_PLANS, make_plans, priced_on_this_host  # noqa: E402
 
 
 def commit() -> str:
@@ -108,59 +57,6 @@ def commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
-
-DEFAULT_ALLOCATOR_CASES = {"g13-mb8-full-default-allocator"}
-
-
-def make_plans(cases: list[tuple], say, preset: str = "dgx-h100") -> dict[str, dict]:
-    """Each case's plan (as JSON) and its prediction for one GPU of `preset`, made on this machine's CPU."""
-    import autopar
-    from autopar.models import build_model
-
-    cluster = autopar.load_cluster(preset, gpus=1)
-    made = {}
-    for case, model, config, seq_len, batch, precision, strategy, compile_ in cases:
-        started = time.perf_counter()
-        if strategy and compile_ is True:  # priced as it runs: the compiled step (gpu_rows.py prices it the same way)
-            strategy += ",compile=true"
-        spec = build_model(model, config)
-        result = autopar.plan(spec.module, spec.example_inputs(1, seq_len), cluster=cluster, global_batch=batch,
-                              loss_fn=spec.loss_fn, precision=precision, name=model, seq_len=seq_len,
-                              strategy=strategy, choose_compile=compile_ == CHOOSE)
-        if result.plan is None:
-            made[case] = {"refused": result.no_fit_reason()}
-        else:
-            predicted = result.plan.predicted
-            made[case] = {"plan": result.plan.to_json(), "strategy": result.plan.strategy.model_dump(),
-                          "predicted": {"step_time_s": predicted.step_time_s,
-                                        "peak_memory_bytes": max(predicted.peak_memory_bytes),
-                                        "breakdown": predicted.breakdown}}
-        say(f"planned {case} in {time.perf_counter() - started:.1f} s")
-    return made
-
-
-def priced_on_this_host(case: tuple, device: str) -> dict:
-    """An offload plan's strategy priced on `--cluster local`, whose host rates are measured here
-    (`autopar.host_rates`: the fused CPU AdamW and pinned PCIe copies), beside the preset's DGX host."""
-    import autopar
-    from autopar.models import build_model
-
-    if device != "cuda":
-        return {"status": "skipped: the host is measured against a CUDA device"}
-    _, model, config, seq_len, batch, precision, strategy, _ = case
-    cluster = autopar.load_cluster("local", gpus=1)
-    spec = build_model(model, config)
-    result = autopar.plan(spec.module, spec.example_inputs(1, seq_len), cluster=cluster, global_batch=batch,
-                          loss_fn=spec.loss_fn, precision=precision, name=model, seq_len=seq_len, strategy=strategy)
-    host = {"host_optimizer_params_per_s": cluster.host_optimizer_params_per_s,
-            # what the rate times (autopar.host_rates.host_step): "clip+adamw" until af063d4 (a scaling
-            # pass, then AdamW), now the norm and AdamW applying the scale
-            "host_step": "norm+adamw",
-            "host_link_bytes_per_s": cluster.host_link.bandwidth_bytes_per_s}
-    if result.plan is None:
-        return {"status": f"refused: {result.no_fit_reason()}", **host}
-    predicted = result.plan.predicted
-    return {"status": "ok", "step_time_s": predicted.step_time_s, "breakdown": predicted.breakdown, **host}
 
 
 def synchronize(device: str) -> None:
@@ -292,37 +188,6 @@ def run_plan(case: tuple, made: dict, device: str, steps: int) -> dict:
     return guarded(measure)
 
 
-def params_of(model: str, config: str | None) -> int:
-    """The model's parameters as a user counts them (the vocabulary unpadded): MFU's numerator."""
-    from autopar.models import build_model
-
-    given = [item for item in (config or "").split(",") if item and not item.startswith("vocab_multiple=")]
-    extra = ",".join(["vocab_multiple=1", *given])
-    return sum(p.numel() for p in build_model(model, extra).module.parameters())
-
-
-def mfu(params: int, tokens: int, step_s: float, peak_flops: float) -> float:
-    """6 N tokens / step time over the dense bf16 peak (what `autopar run` logs)."""
-    return 6 * params * tokens / step_s / peak_flops
-
-
-def attention_flops_per_token(model: str, config: str | None, seq_len: int) -> float:
-    """12 l h s: the attention score and value products of a forward and backward per token, which
-    6N leaves out. MFU counted as 6N + 12 l h s is PaLM's (Chowdhery et al. 2022, appendix B) and
-    nanoGPT's `estimate_mfu`, the accounting of issue #29's nanoGPT-style anchor (54.6%) and of the
-    published runs' "model FLOPs" (`published_runs.py`)."""
-    from autopar.models import build_model
-
-    shape = build_model(model, config).config
-    return 12 * shape.layers * shape.hidden * seq_len
-
-
-def mfu_with_attention(params: int, attention_per_token: float, tokens: int, step_s: float,
-                       peak_flops: float) -> float:
-    """(6 N + 12 l h s) tokens / step time over the dense bf16 peak (`attention_flops_per_token`)."""
-    return (6 * params + attention_per_token) * tokens / step_s / peak_flops
-
-
 def baselines(device: str, smoke: bool, steps: int) -> list[tuple[str, object]]:
     """(name, step factory) of the hand-written baselines (`gpu_baselines.py`)."""
     if smoke:
@@ -399,72 +264,6 @@ def op_profile(device: str, out_dir: Path, smoke: bool) -> dict:
     return guarded(measure)
 
 
-def verdicts(record: dict) -> list[dict]:
-    """Each goal of issue #29 measured here: met, missed, or not measured (with why)."""
-    rows = {row["case"]: row for row in record["plans"]}
-    ok = {case: row for case, row in rows.items() if row.get("status") == "ok" and row.get("predicted")}
-    base = {row["variant"]: row for row in record["baselines"] if row.get("status") == "ok"}
-    goals = []
-
-    def goal(name: str, value, met: bool | None, why: str = "") -> None:
-        goals.append({"goal": name, "value": value, "verdict": "not measured" if met is None else
-                      ("met" if met else "missed"), **({"why": why} if why else {})})
-
-    compiled, plain = rows.get("g13-mb8-none-compile", {}), base.get("plain compiled")
-    if compiled.get("status") == "ok" and plain:
-        ratio = plain["step_time_s_mean"] / compiled["step_time_s_mean"]
-        goal("autopar with compile >= 1.0x plain compiled PyTorch (GPT-1.3B, batch 8)", round(ratio, 3), ratio >= 1.0)
-    else:
-        goal("autopar with compile >= 1.0x plain compiled PyTorch", None, None, "a row did not run")
-    if compiled.get("status") == "ok":  # in both accountings: the goal's anchor counts attention, `autopar run` not
-        goal("GPT-1.3B batch 8 MFU >= 50% (autopar, compiled; 6N)", round(compiled["mfu"], 4), compiled["mfu"] >= 0.50)
-        goal("GPT-1.3B batch 8 MFU >= 50% (autopar, compiled; 6N + 12lhs, the anchor's accounting)",
-             round(compiled["mfu_with_attention"], 4), compiled["mfu_with_attention"] >= 0.50)
-        if compiled.get("mfu_back_to_back"):  # what `autopar run` logs: no wait for the host between steps
-            goal("GPT-1.3B batch 8 MFU >= 50% (autopar, compiled; 6N; steps back to back, as autopar run logs it)",
-                 round(compiled["mfu_back_to_back"], 4), compiled["mfu_back_to_back"] >= 0.50)
-    else:
-        goal("GPT-1.3B batch 8 MFU >= 50%", None, None, "the compiled row did not run")
-    errors = {case: row["predicted"]["step_time_s"] / row["step_time_s_mean"] - 1 for case, row in ok.items()}
-    if errors:
-        worst = max(errors.values(), key=abs)
-        goal("step time within 10% on every plan (worst predicted/measured - 1)", round(worst, 3), abs(worst) <= 0.10)
-    # the plan a user's `autopar run` trains on a GPU (compile chosen); files from before it: the eager search's
-    chosen = "g13-chosen" if "g13-chosen" in rows else "g13-searched"
-    if chosen in ok:
-        error = errors[chosen]
-        goal(f"step time within 5% on the chosen plan ({chosen})", round(error, 3), abs(error) <= 0.05)
-    elif chosen in rows:
-        goal(f"step time within 5% on the chosen plan ({chosen})", None, None, rows[chosen].get("status", "not run"))
-    same = {case: row for case, row in ok.items() if case.startswith("g13-") and not row["strategy"].get("compile")
-            and row.get("global_batch") == 8}  # the eager plans' order (a compiled plan's is another question)
-    if len(same) >= 2:
-        predicted = min(same, key=lambda c: same[c]["predicted"]["step_time_s"])
-        measured = min(same, key=lambda c: same[c]["step_time_s_mean"])
-        goal("predicted-fastest = measured-fastest (GPT-1.3B batch 8 plans)", f"{predicted} / {measured}",
-             same[predicted]["step_time_s_mean"] <= 1.02 * same[measured]["step_time_s_mean"])
-    under = {case: 1 - row["predicted"]["peak_memory_bytes"] / row["max_memory_reserved_bytes"]
-             for case, row in ok.items() if row.get("max_memory_reserved_bytes")
-             and case not in DEFAULT_ALLOCATOR_CASES}  # that row runs as autopar does not: measured, not a goal
-    if under:
-        worst = max(under.values())
-        goal("memory never under-predicted by more than 2% (vs max_memory_reserved)", round(worst, 3), worst <= 0.02)
-    eager, compiled_row = rows.get("g13-mb8-none", {}), rows.get("g13-mb8-none-compile", {})
-    if eager.get("losses") and compiled_row.get("losses"):
-        drift = max(abs(a - b) / abs(a) for a, b in zip(eager["losses"], compiled_row["losses"]))
-        goal("compiled training tracks eager (GPT-1.3B, losses step by step, within 1%)", round(drift, 4),
-             drift <= 0.01)
-    default, expandable = rows.get("g13-mb8-full-default-allocator", {}), rows.get("g13-mb8-full", {})
-    if default.get("max_memory_reserved_bytes") and expandable.get("max_memory_reserved_bytes"):
-        saved = 1 - expandable["max_memory_reserved_bytes"] / default["max_memory_reserved_bytes"]
-        goal("expandable segments reserve less than the default allocator (GPT-1.3B, full recompute; "
-             "share of reserved memory saved)", round(saved, 3), saved > 0)
-    accepted = [row for row in rows.values() if row.get("predicted")]
-    oom = [row["case"] for row in accepted if row.get("status") == "out of memory"]
-    goal("no out-of-memory on a plan the searcher accepts", oom or "none", not oom if accepted else None)
-    return goals
-
-
 class Suite:
     """Rows in measurement order, rewritten to the JSON after each; the phases' time budget."""
 
@@ -492,49 +291,11 @@ class Suite:
         print(f"[{time.perf_counter() - self.started:6.1f} s] {line}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--out", default="gpu_suite.json", help="the JSON written (plans.json with --predict-only)")
-    parser.add_argument("--plans", help="plans made earlier with --predict-only (skips tracing here)")
-    parser.add_argument("--predict-only", action="store_true", help="make the plans and stop (no GPU needed)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny GPT on CPU: checks the script, nothing else")
-    parser.add_argument("--cluster", default="dgx-h100",
-                        help="the one-GPU preset the plans are made for (dgx-h200 on an H200)")
-    parser.add_argument("--budget-s", type=float, default=470.0, help="skip phases that would end after this")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
-    parser.add_argument("--skip", default="", help="phases to skip: plans,baselines,kernels,profile")
-    parser.add_argument("--cases", default="", help="run only these plan rows (comma-separated names)")
-    args = parser.parse_args(argv)
-    cases = SMOKE_PLANS if args.smoke else PLANS
-    if args.predict_only:
-        made = make_plans(cases, lambda line: print(line, flush=True), args.cluster)
-        Path(args.out).write_text(json.dumps({"commit": commit(), "cluster": args.cluster, "plans": made}) + "\n")
-        return 0
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but CUDA is not available: use --device cpu --smoke for a smoke run")
-    suite = Suite(args)
-    skip = set(filter(None, args.skip.split(",")))
-    if args.plans:
-        carried = json.loads(Path(args.plans).read_text())
-        made = carried["plans"]
-        suite.record["plans_made_at"] = carried["commit"]
-        args.cluster = carried.get("cluster", "dgx-h100")
-    else:
-        made = make_plans(cases, suite.say, args.cluster)
-        suite.record["plans_made_at"] = suite.record["commit"]
-    from autopar.cluster import load_cluster
-
-    suite.record["cluster"] = args.cluster
-    peak = load_cluster(args.cluster, gpus=1).gpu.peak_flops_per_s("bf16")
-    suite.record["peak_flops_per_s"] = peak
-    import torch.distributed as dist
-
-    if not dist.is_initialized():  # one process group for every plan (parallelize reuses it)
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1,
-                                store=dist.HashStore())
-    only = set(filter(None, args.cases.split(",")))
-    for case in cases if "plans" not in skip else []:
+def measure_plans(suite: Suite, cases: list[tuple], made: dict, peak: float, only: set[str]) -> None:
+    """Each plan row through autopar's runtime, with its MFU in both accountings; offload rows are also
+    priced with this host's measured rates."""
+    args = suite.args
+    for case in cases:
         name, model, config, seq_len, batch, precision, strategy, compile_ = case
         if only and name not in only:
             continue
@@ -565,36 +326,43 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['predicted']['step_time_s'] * 1e3:.1f}" + (f"; back to back {back_to_back * 1e3:.1f}"
                                                                     if back_to_back else "") + ")"
                                                     if row["status"] == "ok" else ""))
-    # parallelize configures the CUDA allocator for the process (runtime/allocator.py): the baselines
-    # after the plans run under that setting too
+
+
+def measure_baselines(suite: Suite, peak: float) -> None:
+    """The hand-written baselines' rows, under the allocator setting the plans left (parallelize
+    configures the CUDA allocator for the process: runtime/allocator.py)."""
+    args = suite.args
     ran = [row for row in suite.record["plans"] if "optimizations" in row]
     suite.record["baselines_allocator"] = ran[-1]["optimizations"].get("allocator", "default") if ran else "default"
-    gpt13_params = params_of("gpt", SMOKE_CONFIG) if args.smoke else params_of(GPT13[0], GPT13[1])
-    tokens = (4 * 64) if args.smoke else 8 * GPT13[2]
-    gpt13_attention = attention_flops_per_token("gpt", SMOKE_CONFIG, 64) if args.smoke else \
-        attention_flops_per_token(GPT13[0], GPT13[1], GPT13[2])
-    for name, factory in baselines(args.device, args.smoke, args.steps) if "baselines" not in skip else []:
+    model, config, seq_len = ("gpt", SMOKE_CONFIG, 64) if args.smoke else GPT13
+    params, tokens = params_of(model, config), (4 * 64) if args.smoke else 8 * seq_len
+    attention = attention_flops_per_token(model, config, seq_len)
+    for name, factory in baselines(args.device, args.smoke, args.steps):
         if not suite.afford(name, 90 if "compiled" in name else 20):
             continue
         free(args.device)
         row = {"variant": name} | guarded(lambda: timed(factory(), args.device, 3, 2 * args.steps))
         if row["status"] == "ok":
-            row["mfu"] = mfu(gpt13_params, tokens, row["step_time_s_mean"], peak)
-            row["mfu_with_attention"] = mfu_with_attention(gpt13_params, gpt13_attention, tokens,
-                                                           row["step_time_s_mean"], peak)
+            row["mfu"] = mfu(params, tokens, row["step_time_s_mean"], peak)
+            row["mfu_with_attention"] = mfu_with_attention(params, attention, tokens, row["step_time_s_mean"], peak)
         suite.record["baselines"].append(row)
         suite.save()
         suite.say(f"{name}: {row['status']} " + (f"{row['step_time_s_mean'] * 1e3:.1f} ms, MFU {row['mfu']:.1%}"
                                                  if row["status"] == "ok" else ""))
+
+
+def measure_kernels(suite: Suite, cases: list[tuple], made: dict) -> None:
+    """Kernels per step of the eager and compiled GPT-1.3B rows (the launch-overhead floor's count)."""
     for case in [c for c in cases if c[0] in ("g13-mb8-none", "g13-mb8-none-compile", "smoke-mb4")]:
-        if "kernels" in skip or case[0] not in made or not suite.afford(f"kernels {case[0]}", 40):
+        if case[0] not in made or not suite.afford(f"kernels {case[0]}", 40):
             continue
-        suite.record["kernels"].append(kernels_per_step(case, made[case[0]], args.device))
+        suite.record["kernels"].append(kernels_per_step(case, made[case[0]], suite.args.device))
         suite.save()
         suite.say(f"kernels {case[0]}: {suite.record['kernels'][-1]}")
-    if "profile" not in skip and suite.afford("op profile", 90):
-        suite.record["op_profile"] = op_profile(args.device, Path(args.out).resolve().parent, args.smoke)
-        suite.say(f"op profile: {suite.record['op_profile']}")
+
+
+def report(suite: Suite) -> None:
+    """The verdicts, written to the JSON and printed one per goal, and what the budget skipped."""
     suite.record["verdicts"] = verdicts(suite.record)
     suite.save()
     print(f"device {suite.record['device']}, torch {suite.record['torch']}, commit {suite.record['commit']}, "
@@ -603,8 +371,65 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {row['verdict']:>12}  {row['goal']}: {row['value']}" + (f" ({row['why']})" if "why" in row else ""))
     for line in suite.record["skipped"]:
         print(f"  skipped: {line}")
-    return 0
 
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", default="gpu_suite.json", help="the JSON written (plans.json with --predict-only)")
+    parser.add_argument("--plans", help="plans made earlier with --predict-only (skips tracing here)")
+    parser.add_argument("--predict-only", action="store_true", help="make the plans and stop (no GPU needed)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny GPT on CPU: checks the script, nothing else")
+    parser.add_argument("--cluster", default="dgx-h100",
+                        help="the one-GPU preset the plans are made for (dgx-h200 on an H200)")
+    parser.add_argument("--budget-s", type=float, default=470.0, help="skip phases that would end after this")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
+    parser.add_argument("--skip", default="", help="phases to skip: plans,baselines,kernels,profile")
+    parser.add_argument("--cases", default="", help="run only these plan rows (comma-separated names)")
+    args = parser.parse_args(argv)
+    if not args.predict_only and args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available: use --device cpu --smoke for a smoke run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cases = SMOKE_PLANS if args.smoke else PLANS
+    if args.predict_only:
+        made = make_plans(cases, lambda line: print(line, flush=True), args.cluster)
+        Path(args.out).write_text(json.dumps({"commit": commit(), "cluster": args.cluster, "plans": made}) + "\n")
+        return 0
+    suite = Suite(args)
+    skip = set(filter(None, args.skip.split(",")))
+    if args.plans:
+        carried = json.loads(Path(args.plans).read_text())
+        made = carried["plans"]
+        suite.record["plans_made_at"] = carried["commit"]
+        args.cluster = carried.get("cluster", "dgx-h100")
+    else:
+        made = make_plans(cases, suite.say, args.cluster)
+        suite.record["plans_made_at"] = suite.record["commit"]
+    from autopar.cluster import load_cluster
+
+    suite.record["cluster"] = args.cluster
+    peak = load_cluster(args.cluster, gpus=1).gpu.peak_flops_per_s("bf16")
+    suite.record["peak_flops_per_s"] = peak
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # one process group for every plan (parallelize reuses it)
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1,
+                                store=dist.HashStore())
+    if "plans" not in skip:
+        measure_plans(suite, cases, made, peak, set(filter(None, args.cases.split(","))))
+    if "baselines" not in skip:
+        measure_baselines(suite, peak)
+    if "kernels" not in skip:
+        measure_kernels(suite, cases, made)
+    if "profile" not in skip and suite.afford("op profile", 90):
+        suite.record["op_profile"] = op_profile(args.device, Path(args.out).resolve().parent, args.smoke)
+        suite.say(f"op profile: {suite.record['op_profile']}")
+    report(suite)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

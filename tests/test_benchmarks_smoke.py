@@ -153,6 +153,7 @@ def test_gpu_suite_runs_a_what_if_row_with_the_padding_patched_out(one_process_g
     them unchanged."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_suite
+    import gpu_suite_plans
 
     import autopar.capabilities as capabilities
 
@@ -160,7 +161,7 @@ def test_gpu_suite_runs_a_what_if_row_with_the_padding_patched_out(one_process_g
     fixed = "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=2"
     padded = ("padded", "gpt", config, 32, 2, "bf16", fixed, False)
     unpadded = ("unpadded", "gpt", config, 32, 2, "bf16", fixed + ",gemm_padding=false", False)
-    made = gpu_suite.make_plans([padded, unpadded], lambda line: None)
+    made = gpu_suite_plans.make_plans([padded, unpadded], lambda line: None)
     knobs = capabilities._RUNTIME_KNOBS
     runs = [gpu_suite.run_plan(case, made[case[0]], "cpu", 2) for case in (unpadded, padded)]
     assert capabilities._RUNTIME_KNOBS == knobs  # restored
@@ -174,13 +175,13 @@ def test_gpu_suite_plans_its_chosen_row_as_autopar_run_does_on_a_gpu():
     """gpu_suite's `g13-chosen` row is searched eager and compiled, and keeps the faster predicted (the plan
     `autopar run` trains on a GPU): its prediction is the lesser of the two fixed ways'."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_suite
+    import gpu_suite_plans
 
     config = "layers=2,hidden=256,heads=4,vocab=512,seq_len=128"
     cases = [("eager", "gpt", config, 128, 8, "bf16", None, False),
              ("compiled", "gpt", config, 128, 8, "bf16", "compile=true", False),
-             ("chosen", "gpt", config, 128, 8, "bf16", None, gpu_suite.CHOOSE)]
-    made = gpu_suite.make_plans(cases, lambda line: None)
+             ("chosen", "gpt", config, 128, 8, "bf16", None, gpu_suite_plans.CHOOSE)]
+    made = gpu_suite_plans.make_plans(cases, lambda line: None)
     times = {case: made[case]["predicted"]["step_time_s"] for case in made}
     assert times["chosen"] == min(times["eager"], times["compiled"]) and times["eager"] != times["compiled"]
     assert made["chosen"]["strategy"]["compile"] == (times["compiled"] < times["eager"])
@@ -191,7 +192,7 @@ def test_gpu_suite_judges_the_chosen_plan_on_its_own_row_and_ranks_eager_plans_a
     not measured, never judged on the eager search's row; files from before it are judged on `g13-searched`.
     The predicted-fastest goal ranks eager plans only: a compiled plan, whatever its name, is left out."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_suite
+    import gpu_suite_goals
 
     def row(case, predicted, measured, compiled=False, status="ok"):
         return {"case": case, "status": status, "global_batch": 8, "strategy": {"compile": compiled},
@@ -199,7 +200,7 @@ def test_gpu_suite_judges_the_chosen_plan_on_its_own_row_and_ranks_eager_plans_a
                 "step_time_s_mean": measured, "max_memory_reserved_bytes": 2.0}
 
     def verdict(plans, name):
-        goals = gpu_suite.verdicts({"plans": plans, "baselines": []})
+        goals = gpu_suite_goals.verdicts({"plans": plans, "baselines": []})
         return next(g for g in goals if g["goal"].startswith(name))
 
     eager = [row("g13-searched", 0.30, 0.30), row("g13-mb4x2-none", 0.33, 0.29)]
