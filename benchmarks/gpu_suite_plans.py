@@ -30,6 +30,13 @@ PLANS = [
     # the searcher would hand a user, not only on fixed ones
     ("g13-b32-searched", *GPT13, 32, "bf16", None, False),
     ("g13-mb8-none-compile", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=0,recompute=none,microbatch=8", True),
+    # ZeRO 1 on one GPU (the search skips it: nothing to shard over): FSDP2's mixed precision runs the
+    # model in bf16 parameters, no autocast casts and a bf16 residual stream, priced 9% faster eager
+    # (281.7 ms against 309.3 on an H200 at 79c242c), and compiled per block under its hooks, which no
+    # row has measured yet (267.0 ms against the whole stage's 275.1). What they measure decides
+    # whether the search offers it.
+    ("g13-mb8-none-zero1", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=1,recompute=none,microbatch=8", False),
+    ("g13-mb8-none-zero1-compile", *GPT13, 8, "bf16", "dp=1,tp=1,pp=1,zero=1,recompute=none,microbatch=8", True),
     # the same plan unpadded: inductor pads misaligned matmuls itself (priced so since 4337bc4), and its
     # losses against the padded row's check the padded-logits mask under inductor
     ("g13-unpadded-compile", "gpt3-1.3b", "vocab_multiple=1", 2048, 8, "bf16",
