@@ -8,6 +8,7 @@ the source's `whole_batch` is true (every rank draws the same one) or else this 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -125,6 +126,29 @@ def planned_flops_per_token(plan) -> float | None:
     return predicted.tflops_per_gpu * 1e12 * (s.dp * s.cp * s.tp * s.pp) / predicted.tokens_per_s
 
 
+@dataclasses.dataclass
+class StepClock:
+    """The launch's first step timed apart from the rest: torch.compile compiles there, kernels are
+    autotuned and the allocator grows, once. The steps after it, checkpoint saves left out, are the
+    step time a plan predicts; the log's tokens/s and the run's summary count those."""
+
+    first_step_s: float | None = None
+    steady_s: float = 0.0
+    steady_steps: int = 0
+
+    def summary(self, first_step: int, last_step: int, predicted_step_s: float | None) -> str:
+        """One line for the end of the run."""
+        text = f"done: steps {first_step}-{last_step}"
+        if self.first_step_s is not None:
+            text += f"; first step {self.first_step_s:.3g} s"
+        if self.steady_steps:
+            step_s = self.steady_s / self.steady_steps
+            text += f", then {step_s * 1e3:.4g} ms a step over {self.steady_steps}"
+            if predicted_step_s:
+                text += f", predicted {predicted_step_s * 1e3:.4g} ms ({predicted_step_s / step_s - 1:+.1%})"
+        return text
+
+
 class TrainingLoop:
     """The steps, their measurements and the checkpoints; one per `autopar run`."""
 
@@ -136,6 +160,7 @@ class TrainingLoop:
         self.save_prediction = None
         self._save_predicted = False
         self.stopped = False  # a SIGTERM on any rank stopped the last `loop` (every rank agrees)
+        self.clock = StepClock()
 
     def step(self):
         """One optimizer step of `ParallelModel.queued_train_step` on the next batch; its mean loss, queued."""
@@ -157,18 +182,36 @@ class TrainingLoop:
             reporter.say(f"checkpoint cost: {self.save_prediction.describe()}; "
                          f"{self.save_prediction.interval_text(step_time_s)}")
 
-    def save(self, step: int, reporter: Reporter) -> None:
+    def save(self, step: int, reporter: Reporter) -> float:
+        """Save a checkpoint at `step`; returns the seconds it held the loop."""
         extra = {"step": step, "data": self.data.state_dict(), "data_name": self.data_name,
                  "plan": self.plan.to_json(), "config": self.config.json_record(),
                  "world_size": self.env.world_size}
         started = time.perf_counter()
         path = self.checkpointer.save(step, self.parallel, self.optimizer, extra)
         measured_s = time.perf_counter() - started
+        self.clock.steady_s -= measured_s  # not a training step's time
         beside = "" if self.save_prediction is None else f" (predicted {self.save_prediction.save_time_s:.3g} s)"
         if self.checkpointer.async_save:
             reporter.say(f"saving checkpoint {path}: staged in {measured_s:.3g} s, written in the background{beside}")
         else:
             reporter.say(f"saved checkpoint {path} in {measured_s:.3g} s{beside}")
+        return measured_s
+
+    def _first_step_timed(self, started: float, device, reporter: Reporter) -> float:
+        """Time the launch's first step (its loss already read) and say so; returns when the steps
+        after it start."""
+        import torch
+
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        self.clock.first_step_s = now - started
+        compiled = getattr(self.parallel, "optimizations", {}).get("compile", "off") != "off"
+        why = "torch.compile compiled the model in it" if compiled else "kernels and the allocator warmed up in it"
+        reporter.say(f"first step {self.clock.first_step_s:.3g} s ({why}, once per launch): tokens/s below leave "
+                     f"it out")
+        return now
 
     def stop_requested(self, stop: StopRequest, device):
         """Whether any rank got SIGTERM, queued (one scalar all-reduce): every rank reads the same flag
@@ -233,14 +276,17 @@ class TrainingLoop:
         cuda = device.type == "cuda"
         every = config.checkpoint_every
         self.predict_checkpoint_cost(reporter)
-        started = time.perf_counter()
-        interval_steps = 0
+        started = steady_started = time.perf_counter()
+        interval_steps = steady_steps = 0
         unread: list[tuple[int, Any, Any]] = []  # (step, its loss, its stop flag), queued
         state = {"loss": math.nan, "stopping": False}
         for step in range(first_step, last_step + 1):
             unread.append((step, self.step(), self.stop_requested(stop, device)))
             interval_steps += 1
-            _read(unread, state, reporter, keep=1)  # the step before this one
+            first = self.clock.first_step_s is None  # the launch's first step: timed apart, read at once
+            _read(unread, state, reporter, keep=0 if first else 1)  # else the step before this one
+            if first:
+                steady_started = self._first_step_timed(started, device, reporter)
             logs = step % config.log_every == 0
             due = step == config.steps or state["stopping"] or (every is not None and step % every == 0)
             if logs or due or step == last_step:
@@ -253,13 +299,19 @@ class TrainingLoop:
                 tokens_per_s = self.tokens_per_step * interval_steps / elapsed if elapsed > 0 else 0.0
                 self.log(step, state["loss"], tokens_per_s, reporter, num_params, peak, nominal)
             if self.checkpointer is not None and due:
-                self.save(step, reporter)
+                started += self.save(step, reporter)  # tokens/s leave the save out
+            steady_steps += not first
+            if state["stopping"] or step == last_step:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                self.clock.steady_s += time.perf_counter() - steady_started
+                self.clock.steady_steps += steady_steps
             if state["stopping"]:
                 saved = "checkpoint saved" if self.checkpointer is not None else "no --checkpoint-dir, nothing saved"
                 reporter.say(f"SIGTERM: stopped after step {step} ({saved})")
                 self.stopped = True
                 return step
-            if logs:  # the next interval starts after any save
+            if logs or first:  # the next interval starts after any save, and after the first step
                 started = time.perf_counter()
                 interval_steps = 0
         return last_step

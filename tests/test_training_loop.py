@@ -88,16 +88,16 @@ def test_each_loss_is_read_once_the_next_step_is_queued_but_on_log_steps_and_the
     parallel, reporter = _Parallel(), _Reporter()
     assert _loop(parallel).loop(1, 10, StopRequest(), reporter, num_params=1, peak=None, nominal=False) == 10
     assert sorted(step for kind, step in parallel.events if kind == "read") == list(range(1, 11))
-    assert _read_before_next_queued(parallel.events) == {4, 8, 10}
+    assert _read_before_next_queued(parallel.events) == {1, 4, 8, 10}  # the first step is timed apart
     assert reporter.shown == list(range(1, 11))
-    assert [line.split()[1] for line in reporter.lines] == ["4", "8"]
+    assert [line.split()[1] for line in reporter.lines if line.startswith("step ")] == ["4", "8"]
 
 
 def test_a_save_step_is_read_before_it_is_saved():
     parallel, saves = _Parallel(), _Saves()
     _loop(parallel, log_every=100, checkpointer=saves, every=3).loop(1, 7, StopRequest(), _Reporter(), 1, None, False)
     assert saves.steps == [3, 6]
-    assert _read_before_next_queued(parallel.events) == {3, 6, 7}
+    assert _read_before_next_queued(parallel.events) == {1, 3, 6, 7}
 
 
 @pytest.mark.parametrize("bad_step, queued_after", [(6, 7), (4, 4)])
@@ -125,3 +125,67 @@ def test_a_queued_scalar_on_the_host_is_read_when_made_and_divided():
     queued = QueuedScalar(value, divisor=3)
     value.zero_()
     assert queued.value() == 2.0 and float(QueuedScalar(torch.tensor(6.0), divisor=4)) == 1.5
+
+
+class _Clock:
+    """A stand-in for `time.perf_counter`: each queued step advances it by its own duration, a save by 5 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _timed(monkeypatch, first_s: float = 3.0, step_s: float = 0.5):
+    """A loop whose first step takes `first_s` and every later one `step_s`, on a fake clock."""
+    import autopar.runtime.training_loop as training_loop
+
+    clock = _Clock()
+    monkeypatch.setattr(training_loop, "time", clock)
+    parallel = _Parallel()
+    queue = parallel.queued_train_step
+
+    def timed_step(*args, **kwargs):
+        clock.now += first_s if parallel.step == 0 else step_s
+        return queue(*args, **kwargs)
+
+    parallel.queued_train_step = timed_step
+    return clock, parallel
+
+
+def test_the_first_step_is_timed_apart_and_left_out_of_tokens_per_second(monkeypatch):
+    """The launch's first step (torch.compile compiles there) is said on its own line; the log's first
+    interval and the summary count the steps after it, a checkpoint's save time left out."""
+    clock, parallel = _timed(monkeypatch)
+    saves, reporter = _Saves(), _Reporter()
+    save = saves.save
+
+    def slow_save(*args):
+        clock.now += 5.0
+        return save(*args)
+
+    saves.save = slow_save
+    loop = _loop(parallel, checkpointer=saves, every=5)
+    assert loop.loop(1, 10, StopRequest(), reporter, 1, None, False) == 10
+    assert reporter.lines[0] == ("first step 3 s (kernels and the allocator warmed up in it, once per launch): "
+                                 "tokens/s below leave it out")
+    tokens = [line.split()[4] for line in reporter.lines if line.startswith("step ")]
+    assert tokens == ["16", "16"]  # steps 2-4: 3 x 8 tokens in 1.5 s; steps 5-8, the save at 5 left out
+    assert loop.clock.first_step_s == 3.0 and loop.clock.steady_steps == 9 and loop.clock.steady_s == 4.5
+    assert loop.clock.summary(1, 10, 0.45) == ("done: steps 1-10; first step 3 s, then 500 ms a step over 9, "
+                                               "predicted 450 ms (-10.0%)")
+
+
+def test_a_resumed_or_profiled_launch_times_only_its_first_step_apart(monkeypatch):
+    """Later calls of `loop` in one launch (`--profile-steps` runs it in pieces) count every step; a
+    stop counts the steps trained."""
+    clock, parallel = _timed(monkeypatch)
+    loop = _loop(parallel)
+    loop.loop(5, 5, StopRequest(), _Reporter(), 1, None, False)
+    assert loop.clock.first_step_s == 3.0 and loop.clock.steady_steps == 0
+    stop = StopRequest()
+    parallel.stop, parallel.stop_at = stop, 3  # the third step queued here: step 7
+    assert loop.loop(6, 10, stop, _Reporter(), 1, None, False) == 8  # seen one step late
+    assert loop.clock.steady_steps == 3 and loop.clock.steady_s == 1.5
+    assert loop.clock.summary(5, 8, None).endswith("then 500 ms a step over 3")

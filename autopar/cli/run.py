@@ -230,7 +230,10 @@ def _train(args, env: Environment, launch: Launch) -> int:
                 if args.profile_steps:
                     train_with_profile(loop, first_step, stop, reporter, num_params, peak, nominal)
                 else:
-                    loop.loop(first_step, args.steps, stop, reporter, num_params, peak, nominal)
+                    last = loop.loop(first_step, args.steps, stop, reporter, num_params, peak, nominal)
+                    # the plan's step time is for the cluster it was priced on: not a nominal stand-in's
+                    predicted = plan.predicted.step_time_s if plan.predicted is not None and not nominal else None
+                    reporter.say(loop.clock.summary(first_step, last, predicted))
         finally:
             reporter.close()
         if checkpointer is not None:
