@@ -19,8 +19,11 @@ host, 1.16 s of a 2.99 s GPT-2.7B step (benchmarks/gpu_diagnose.py at af063d4).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 
 def optimizer_implementation(params: list[torch.Tensor], offload: str = "none") -> str:
@@ -32,9 +35,39 @@ def optimizer_implementation(params: list[torch.Tensor], offload: str = "none") 
 
 
 def build_optimizer(params: list[torch.Tensor], lr: float, offload: str = "none", **options) -> torch.optim.AdamW:
-    """AdamW over `params` (a ParallelModel's parameters) in the implementation above."""
+    """AdamW over `params` (a ParallelModel's parameters) in the implementation above; over shards and
+    plain tensors together, the `ReplicatingAdamW` that steps them."""
+    params = list(params)
     fused = optimizer_implementation(params, offload) == "fused"
-    return torch.optim.AdamW(params, lr=lr, fused=fused, foreach=None if fused else True, **options)
+    kind = ReplicatingAdamW if mixed_placements(params) else torch.optim.AdamW
+    return kind(params, lr=lr, fused=fused, foreach=None if fused else True, **options)
+
+
+def mixed_placements(params: list[torch.Tensor]) -> bool:
+    """Whether `params` mix DTensor shards with plain tensors: tensor parallelism without sequence
+    parallelism keeps the norms' weights (and any weight it leaves replicated) plain beside its
+    sharded Linears, under the module rules and through DTensor alike."""
+    kinds = {isinstance(p, DTensor) for p in params}
+    return len(kinds) > 1
+
+
+def step_context(params: list[torch.Tensor]):
+    """What an optimizer step over `params` runs in (`ReplicatingAdamW`): `implicit_replication` where
+    they mix shards and plain tensors, else nothing."""
+    return implicit_replication() if mixed_placements(params) else contextlib.nullcontext()
+
+
+class ReplicatingAdamW(torch.optim.AdamW):
+    """AdamW whose step counts plain tensors as replicated beside DTensor shards (`implicit_replication`).
+
+    torch's foreach and fused AdamW step one list per device and dtype, and DTensor refuses a list
+    that mixes the two kinds ("got mixed torch.Tensor and DTensor"): the runtime's own optimizer failed
+    at the first step of every tp plan without sp. The step is elementwise and a plain parameter's
+    gradient is the same on every tp rank, so each rank updates what it holds, as one process would."""
+
+    def step(self, closure=None):
+        with implicit_replication():
+            return super().step(closure)
 
 
 def defer_gradient_scale(optimizer: torch.optim.Optimizer | None, scale: torch.Tensor, devices: set) -> bool:

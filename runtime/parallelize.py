@@ -40,7 +40,8 @@ from autopar.runtime.expert_parallel import (ExpertGroups, apply_expert_parallel
 from autopar.runtime.gemm_padding import apply_gemm_padding
 from autopar.runtime.init import InitSource, materialize
 from autopar.runtime.mesh import RankLayout, build_layout
-from autopar.runtime.optimizer import build_optimizer, clear_gradient_scale, defer_gradient_scale, hand_found_inf
+from autopar.runtime.optimizer import (build_optimizer, clear_gradient_scale, defer_gradient_scale, hand_found_inf,
+                                      step_context)
 from autopar.runtime.pipeline.schedule import (build_schedule, check_stage_cover, cut_pipeline, microbatch_inputs,
                                                retie_across_stages, tied_gradient_groups)
 from autopar.runtime.loss_scaling import LossScale, loss_scale_for, overflowed, scaled_loss
@@ -252,16 +253,20 @@ class ParallelModel:
         rows = batch_to_device(batch, self.layout.device) if local else self.local_batch(batch)
         loss_sum = self.forward_backward(rows)
         self.sync_gradients()
+        # an optimizer a user built over shards and plain tensors steps as `ReplicatingAdamW` does
+        stepping = step_context([p for group in optimizer.param_groups for p in group["params"]])
         try:
             if self.loss_scale is not None:  # fp16: the norm says whether the scaled gradients overflowed
                 found_inf = overflowed(self.clip_grad_norm_(max_grad_norm, optimizer))
                 if hand_found_inf(optimizer, found_inf) or not found_inf.item():  # the fused step skips itself
-                    optimizer.step()
+                    with stepping:
+                        optimizer.step()
                 self.loss_scale.update(found_inf)
             else:
                 if max_grad_norm > 0:
                     self.clip_grad_norm_(max_grad_norm, optimizer)
-                optimizer.step()
+                with stepping:
+                    optimizer.step()
         finally:  # a step that raised must not leave its deferred scale to the next one
             clear_gradient_scale(optimizer)
         optimizer.zero_grad(set_to_none=True)

@@ -137,3 +137,47 @@ def test_a_step_that_raises_leaves_no_deferred_scale(one_process_group):
         parallel.train_step(batch, optimizer, max_grad_norm=1e-3)  # a small norm: the clip scales
     assert seen and seen[0] is not None  # the scale was deferred to the step
     assert getattr(optimizer, "grad_scale", None) is None
+
+
+def _train_with_adamw(job: dict) -> dict:
+    """In each process: the plan's model stepped by the runtime's AdamW (`build_optimizer`), or by a
+    fused AdamW a user built over `parallel.parameters()` (its clip scale deferred to the step)."""
+    from autopar.models import build_model
+    from autopar.plan_schema import Plan
+    from autopar.runtime.parallelize import parallelize
+
+    spec = build_model("gpt", job["overrides"])
+    parallel = parallelize(spec.module, Plan.from_json(job["plan"]), loss_fn=spec.loss_fn, seed=SEED)
+    if job["optimizer"] == "runtime":
+        optimizer = parallel.build_optimizer(LR)
+    else:
+        optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR, fused=True)
+    kinds = sorted({type(p).__name__ for p in parallel.parameters()})
+    losses = [parallel.train_step(batch, optimizer, max_grad_norm=MAX_GRAD_NORM) for batch in job["data"]]
+    state = parallel.full_state_dict()
+    return {"losses": losses, "kinds": kinds, "optimizer": type(optimizer).__name__,
+            "state": state if parallel.layout.tp_rank == 0 else None}
+
+
+def test_adamw_steps_tensor_parallel_shards_beside_plain_weights_like_one_process():
+    """Tensor parallelism without sp keeps the norms' weights plain beside DTensor shards. torch's
+    foreach and fused AdamW refused that mix ("got mixed torch.Tensor and DTensor") at the first step
+    of every such plan: the runtime's optimizer steps it under implicit replication (`ReplicatingAdamW`),
+    and `train_step` steps a user's own fused AdamW the same way. Both train like one process; with
+    sp every weight is a DTensor and the plain AdamW is kept."""
+    from parity_harness import run_plans
+
+    overrides = tiny_config()
+    data = batches(overrides["vocab"], GLOBAL_BATCH, SEQ, STEPS)
+    cases = [(dict(dp=1, tp=2, pp=1, zero=0, sp=False, microbatch=GLOBAL_BATCH), "runtime", "ReplicatingAdamW"),
+             (dict(dp=1, tp=2, pp=1, zero=0, sp=False, microbatch=GLOBAL_BATCH), "user fused", "AdamW"),
+             (dict(dp=1, tp=2, pp=1, zero=0, sp=True, microbatch=GLOBAL_BATCH), "runtime", "AdamW")]
+    jobs = [dict(plan=make_plan("gpt", overrides, strategy, 2, GLOBAL_BATCH).to_json(), overrides=overrides,
+                 data=data, optimizer=optimizer) for strategy, optimizer, _ in cases]
+    reference = _reference(overrides, data)
+    for (strategy, optimizer, built), ranks in zip(cases, run_plans(2, jobs, runner=_train_with_adamw)):
+        kinds = ranks[0]["kinds"]
+        assert kinds == (["DTensor"] if strategy["sp"] else ["DTensor", "Parameter"]), (strategy, kinds)
+        assert ranks[0]["optimizer"] == built
+        for rank in ranks:
+            torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(reference), rtol=1e-5, atol=0)

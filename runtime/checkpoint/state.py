@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.errors import AutoparError
 from autopar.runtime.checkpoint.reader import SafeFileSystemReader, SafeLoadPlanner, read_safe_metadata
+from autopar.runtime.optimizer import step_context
 
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optim."
@@ -141,7 +142,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for param in fresh:
         param.grad = torch.zeros_like(param)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), step_context([p for group in optimizer.param_groups for p in group["params"]]):
             optimizer.step()
     finally:
         for group, saved in zip(optimizer.param_groups, saved_hyperparameters):
