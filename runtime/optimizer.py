@@ -35,12 +35,10 @@ def optimizer_implementation(params: list[torch.Tensor], offload: str = "none") 
 
 
 def build_optimizer(params: list[torch.Tensor], lr: float, offload: str = "none", **options) -> torch.optim.AdamW:
-    """AdamW over `params` (a ParallelModel's parameters) in the implementation above; over shards and
-    plain tensors together, the `ReplicatingAdamW` that steps them."""
-    params = list(params)
+    """AdamW over `params` (a ParallelModel's parameters) in the implementation above. Over tp shards
+    beside plain tensors, step it in `step_context` (`ParallelModel.train_step` does)."""
     fused = optimizer_implementation(params, offload) == "fused"
-    kind = ReplicatingAdamW if mixed_placements(params) else torch.optim.AdamW
-    return kind(params, lr=lr, fused=fused, foreach=None if fused else True, **options)
+    return torch.optim.AdamW(params, lr=lr, fused=fused, foreach=None if fused else True, **options)
 
 
 def mixed_placements(params: list[torch.Tensor]) -> bool:
@@ -52,22 +50,16 @@ def mixed_placements(params: list[torch.Tensor]) -> bool:
 
 
 def step_context(params: list[torch.Tensor]):
-    """What an optimizer step over `params` runs in (`ReplicatingAdamW`): `implicit_replication` where
-    they mix shards and plain tensors, else nothing."""
-    return implicit_replication() if mixed_placements(params) else contextlib.nullcontext()
-
-
-class ReplicatingAdamW(torch.optim.AdamW):
-    """AdamW whose step counts plain tensors as replicated beside DTensor shards (`implicit_replication`).
+    """What an optimizer step over `params` runs in: `implicit_replication` where they mix DTensor
+    shards and plain tensors, else nothing.
 
     torch's foreach and fused AdamW step one list per device and dtype, and DTensor refuses a list
-    that mixes the two kinds ("got mixed torch.Tensor and DTensor"): the runtime's own optimizer failed
-    at the first step of every tp plan without sp. The step is elementwise and a plain parameter's
-    gradient is the same on every tp rank, so each rank updates what it holds, as one process would."""
-
-    def step(self, closure=None):
-        with implicit_replication():
-            return super().step(closure)
+    that mixes the two kinds ("got mixed torch.Tensor and DTensor"): the runtime's optimizer failed at
+    the first step of every tp plan without sp. Under implicit replication the plain tensors count as
+    replicated on the shards' mesh; the step is elementwise and sends nothing, so each rank updates
+    what it holds. The optimizer stays torch's own AdamW, so a checkpoint names the same class under
+    every plan (a dp checkpoint resumes under tp). Not reentrant: leaving it turns it off."""
+    return implicit_replication() if mixed_placements(params) else contextlib.nullcontext()
 
 
 def defer_gradient_scale(optimizer: torch.optim.Optimizer | None, scale: torch.Tensor, devices: set) -> bool:

@@ -253,7 +253,7 @@ class ParallelModel:
         rows = batch_to_device(batch, self.layout.device) if local else self.local_batch(batch)
         loss_sum = self.forward_backward(rows)
         self.sync_gradients()
-        # an optimizer a user built over shards and plain tensors steps as `ReplicatingAdamW` does
+        # tp shards beside plain weights: torch's foreach and fused AdamW step them under implicit replication
         stepping = step_context([p for group in optimizer.param_groups for p in group["params"]])
         try:
             if self.loss_scale is not None:  # fp16: the norm says whether the scaled gradients overflowed

@@ -38,7 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def _optimizer(params, kind: str) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    from autopar.runtime.optimizer import build_optimizer
+
+    # the runtime's (`autopar run`'s): foreach on the CPU, whose step under tp without sp needs
+    # `step_context`, and whose class a checkpoint names alike under every plan
+    return build_optimizer(list(params), 1e-3, weight_decay=0.1)
 
 
 def _build(plan_json: str, optimizer_kind: str, overrides: dict | None = None):
