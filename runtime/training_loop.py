@@ -137,7 +137,8 @@ class StepClock:
     steady_steps: int = 0
 
     def summary(self, first_step: int, last_step: int, predicted_step_s: float | None) -> str:
-        """One line for the end of the run."""
+        """One line for the end of the run; `predicted_step_s`: the plan's, where it was priced for the
+        hardware this run is on."""
         text = f"done: steps {first_step}-{last_step}"
         if self.first_step_s is not None:
             text += f"; first step {self.first_step_s:.3g} s"
@@ -145,7 +146,8 @@ class StepClock:
             step_s = self.steady_s / self.steady_steps
             text += f", then {step_s * 1e3:.4g} ms a step over {self.steady_steps}"
             if predicted_step_s:
-                text += f", predicted {predicted_step_s * 1e3:.4g} ms ({predicted_step_s / step_s - 1:+.1%})"
+                text += (f" (the plan predicted {predicted_step_s * 1e3:.4g} ms: measured "
+                         f"{step_s / predicted_step_s - 1:+.1%})")
         return text
 
 
@@ -209,8 +211,8 @@ class TrainingLoop:
         self.clock.first_step_s = now - started
         compiled = getattr(self.parallel, "optimizations", {}).get("compile", "off") != "off"
         why = "torch.compile compiled the model in it" if compiled else "kernels and the allocator warmed up in it"
-        reporter.say(f"first step {self.clock.first_step_s:.3g} s ({why}, once per launch): tokens/s below leave "
-                     f"it out")
+        reporter.say(f"first step {self.clock.first_step_s:.3g} s ({why}, once per launch): the later steps' "
+                     f"tokens/s leave it out")
         return now
 
     def stop_requested(self, stop: StopRequest, device):

@@ -231,8 +231,9 @@ def _train(args, env: Environment, launch: Launch) -> int:
                     train_with_profile(loop, first_step, stop, reporter, num_params, peak, nominal)
                 else:
                     last = loop.loop(first_step, args.steps, stop, reporter, num_params, peak, nominal)
-                    # the plan's step time is for the cluster it was priced on: not a nominal stand-in's
-                    predicted = plan.predicted.step_time_s if plan.predicted is not None and not nominal else None
+                    # the plan's step time, where it was priced for this run's hardware (not a nominal stand-in)
+                    priced_here = launch.cluster is not None and plan.provenance.cluster_name == launch.cluster.name
+                    predicted = plan.predicted.step_time_s if plan.predicted and priced_here and not nominal else None
                     reporter.say(loop.clock.summary(first_step, last, predicted))
         finally:
             reporter.close()
