@@ -33,8 +33,8 @@ from autopar.cost_models.context import exchange_buffer_bytes, rank_batch, repli
 from autopar.cost_models.experts import dispatch_buffer_bytes, replica_layout
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.implementation import as_run
-from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, MemoryBreakdown, activation_scale,
-                                        autocast_states, device_memory,
+from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, LossLayout, MemoryBreakdown,
+                                        activation_scale, autocast_states, device_memory,
                                         planning_capacity_bytes, state_bytes_per_param)
 from autopar.cost_models.offload import OffloadCost, host_capacity_bytes, node_host_bytes, offload_cost
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
@@ -119,6 +119,7 @@ def evaluate(
     tp_step: tuple[tuple[str, float], ...] = (),
     selective_repeats: bool = False,
     tp_realization: str | None = None,
+    vocab_parallel_loss: bool | None = None,
 ) -> Evaluation:
     """`exact=False` uses the closed-form pipeline estimate (for ranking many candidates);
     `stages` overrides the even split of layers with a searched partition (pp·vp lists of units).
@@ -128,7 +129,9 @@ def evaluate(
     (tp collectives once per step after backward, from a dry run; pp = 1) and `selective_repeats`.
     `cache`: the caller's, to share derived unit costs across evaluations of one model (a fresh one
     if None). `tp_realization`: how the runtime realizes tp > 1 (`Plan.tp_realization`): the module
-    rules cast a block's input once for its projections; None (not known) or DTensor, once each."""
+    rules cast a block's input once for its projections; None (not known) or DTensor, once each.
+    `vocab_parallel_loss`: whether the head's logits come out sharded over the vocabulary, where the
+    collectives are a dry run's and `vocab` is not given (None: where `vocab` is, `LossLayout.of`)."""
     s = strategy
     facts, stages_units = priced_stages(facts, s, stages)
     pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=efficiency, cache=cache or CostCache(),
@@ -143,7 +146,8 @@ def evaluate(
         rank_params[rank] += sum(elements for _, elements in tied["copies"])  # a tied head's copy of the embedding
     pipe = run_pipeline(pricing, prices, stages_units, exact)
     tails = rank_tails(pricing, prices, stages_units, rank_params, tied_ranks, overlap_grad_sync and s.dp_overlap)
-    memory = rank_memory(pricing, prices, pipe, rank_params, stages_units)
+    loss = LossLayout.of(s, vocab, tp_realization, vocab_parallel_loss)
+    memory = rank_memory(pricing, prices, pipe, rank_params, stages_units, loss)
     return summarize(pricing, global_batch, prices, pipe, tails, memory)
 
 
@@ -264,11 +268,12 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
     return tails
 
 
-def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
-                rank_params: list[float], stages_units: list[list[Unit]]) -> tuple[MemoryBreakdown, ...]:
+def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult, rank_params: list[float],
+                stages_units: list[list[Unit]], loss: LossLayout | None = None) -> tuple[MemoryBreakdown, ...]:
     """Each pipeline rank's peak: model states, the micro-batches it holds at its peak, what
     recompute rebuilds for the layer being differentiated, under ep the all-to-all buffers, under cp
-    the attention exchange's (`context.exchange_buffer_bytes`); ZeRO shards over dp × cp."""
+    the attention exchange's (`context.exchange_buffer_bytes`), on the last stage the loss's gradients
+    as `loss` runs it; ZeRO shards over dp × cp."""
     s = pricing.strategy
     return tuple(
         device_memory(
@@ -289,7 +294,7 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
             num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl, pp=s.pp,
             compiled=compiled_layers(s), autocast_counted=autocast_activations(pricing),
             # the loss's gradients live before the first recomputed layer's transient: the larger counts
-            loss_bytes=max(0.0, head_gradient_bytes(pricing.facts, s)
+            loss_bytes=max(0.0, head_gradient_bytes(pricing.facts, s, loss)
                            - max(prices.stages[i].transient_bytes for i in stage_indices))
             if len(prices.stages) - 1 in stage_indices else 0.0,
         )
@@ -297,16 +302,17 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult,
     )
 
 
-def loss_gradient_bytes(facts, s: Strategy) -> float:
+def loss_gradient_bytes(facts, s: Strategy, loss: LossLayout | None = None) -> float:
     """The cross entropy's backward at the head: the gradients of its nll_loss and of its log_softmax,
     two fp32 tensors the size of the logits beside the saved log-probabilities (counted with the
     activations), at the peak of the last stage (MemTracker, `profiler/memory_tracker.py`: 8·b·s·V
-    bytes exactly); vocabulary-parallel (divided by tp) when the loss runs on vocabulary shards (pp=1).
-    A stage compiled whole writes one gradient in the logits' dtype (`cost_models.compiled_stage`)."""
+    bytes exactly); three, on vocabulary shards (divided by tp), when the loss runs under `loss_parallel`
+    (`LossLayout`). A stage compiled whole writes one gradient in the logits' dtype (`cost_models.compiled_stage`)."""
     if not facts.vocab:
         return 0.0
-    _, gradient = loss_bytes_per_logit(facts.precision, _compiled_loss(facts, s))
-    return gradient * _logits(facts, s)
+    loss = loss or LossLayout()
+    _, gradient = loss_bytes_per_logit(facts.precision, _compiled_loss(facts, s), loss.loss_parallel)
+    return gradient * _logits(facts, s, loss)
 
 
 def _compiled_loss(facts, s: Strategy) -> bool:
@@ -315,9 +321,9 @@ def _compiled_loss(facts, s: Strategy) -> bool:
     return compiled_layers(s) and autocast_states(facts.precision, s.zero, s.offload, s.optimizer_state)
 
 
-def _logits(facts, s: Strategy) -> float:
-    """Logits of one micro-batch on the last stage: vocabulary-parallel where the loss runs on shards."""
-    shards = s.tp if s.pp == 1 else 1
+def _logits(facts, s: Strategy, loss: LossLayout | None = None) -> float:
+    """Logits of one micro-batch on the last stage: on vocabulary shards where the loss runs on them."""
+    shards = s.tp if loss is not None and loss.vocab_parallel else 1
     return s.microbatch * facts.seq_len / s.cp * facts.vocab / shards
 
 
@@ -330,7 +336,7 @@ def compiled_loss_saving_bytes(facts, s: Strategy) -> float:
     return (EAGER_SAVED_BYTES_PER_LOGIT - saved) * _logits(facts, s)
 
 
-def head_gradient_bytes(facts: ModelFacts, s: Strategy) -> float:
+def head_gradient_bytes(facts: ModelFacts, s: Strategy, loss: LossLayout | None = None) -> float:
     """What the head's backward holds beside the activations, at its largest: the loss's gradients
     (`loss_gradient_bytes`) or, where the runtime pads a misaligned layer, the padded copy of its output
     gradient (`padding_transient_bytes`) beside the 16-bit gradient it copies; eager, the cast to 16 bits
@@ -340,12 +346,12 @@ def head_gradient_bytes(facts: ModelFacts, s: Strategy) -> float:
     (56.6 GiB both) and compiled whole (47.5 GiB both), where their sum priced it 1.5 GiB more. Measured
     without ZeRO only; the copied gradient is taken as the logits' (the widest padded layer is the head
     in the zoo and Hugging Face's models)."""
-    loss = loss_gradient_bytes(facts, s)
+    gradients = loss_gradient_bytes(facts, s, loss)
     padding = padding_transient_bytes(facts, s)
     if not padding:
-        return loss
-    source = 0.0 if _compiled_loss(facts, s) or not facts.vocab else 2.0 * _logits(facts, s)
-    return max(loss, source + padding)
+        return gradients
+    source = 0.0 if _compiled_loss(facts, s) or not facts.vocab else 2.0 * _logits(facts, s, loss)
+    return max(gradients, source + padding)
 
 
 def padding_transient_bytes(facts: ModelFacts, s: Strategy) -> float:

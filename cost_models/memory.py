@@ -306,3 +306,26 @@ def planning_capacity_bytes(memory_bytes: float, headroom: float) -> float:
     """What a plan's predicted peak may reach: usable memory less the planner's headroom, a
     fraction of it (`autopar.cluster.DEFAULT_MEMORY_HEADROOM`)."""
     return usable_bytes(memory_bytes) * (1 - headroom)
+
+
+@dataclass(frozen=True)
+class LossLayout:
+    """How the runtime runs the loss on the last stage (`runtime.parallelize`): on vocabulary shards where
+    the head is vocabulary-parallel at pp = 1 (`vocab_parallel`), and under `loss_parallel` then and
+    wherever tp runs through DTensor. Elsewhere (a tp head kept replicated, logits gathered for a
+    pipeline's last stage) every tp rank holds the whole logits. Until the loss's layout was priced,
+    its logits counted divided by tp at any pp = 1: a GPT at tp = 2 with its head replicated held 40%
+    more than priced (the CPU allocator's events, 6f7d45a)."""
+
+    vocab_parallel: bool = False
+    loss_parallel: bool = False
+
+    @staticmethod
+    def of(s, vocab: int | None, tp_realization: str | None,
+           vocab_parallel: bool | None = None) -> LossLayout:
+        """`vocab_parallel`: whether the head's logits come out sharded (None: where `vocab` is given, the
+        analytic layouts' sign of a vocabulary-parallel head)."""
+        if vocab_parallel is None:
+            vocab_parallel = vocab is not None
+        sharded = bool(vocab_parallel) and s.tp > 1 and s.pp == 1
+        return LossLayout(sharded, sharded or (s.tp > 1 and s.pp == 1 and tp_realization == "dtensor"))

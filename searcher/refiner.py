@@ -230,7 +230,7 @@ class Refiner:
         units = [layout.units[unit.name] for unit in self.facts.units]
         candidate = self._refine_with(s, units, op_placements, planned, repeats=layout.recompute_repeats,
                                       tp_step=layout.step, selective_repeats=layout.selective_repeats,
-                                      tp_realization=realization.name)
+                                      tp_realization=realization.name, vocab_parallel_loss=layout.vocab_parallel_head)
         return dataclasses.replace(candidate, tp_realization=realization.name, tp_layout=layout,
                                    tp_notes=realization.notes)
 
@@ -252,10 +252,12 @@ class Refiner:
         return self.cache[key]
 
     def _refine_with(self, strategy: Strategy, units, op_placements, param_placements, *, vocab=None,
-                     repeats=None, tp_step=(), selective_repeats=False, tp_realization="modules") -> Candidate:
+                     repeats=None, tp_step=(), selective_repeats=False, tp_realization="modules",
+                     vocab_parallel_loss=None) -> Candidate:
         """Evaluated on the even split and on the DP's partition, each with the fewest recomputed
         layers that fit it (counts fitted on the quick ranking's estimate are fitted again here).
-        `tp_realization`: how the runtime will run its tp (the module rules but where a dry run said DTensor)."""
+        `tp_realization`: how the runtime will run its tp (the module rules but where a dry run said DTensor);
+        `vocab_parallel_loss`: whether a dry run's head shards the logits (None: `vocab` says)."""
         facts = dataclasses.replace(self.facts, units=tuple(units))
         fit = fit_recompute(self.fixed)
         strategy = unfitted(strategy, self.fixed)
@@ -264,7 +266,8 @@ class Refiner:
             def run(trial: Strategy) -> Evaluation:
                 return evaluate(facts, self.cluster, trial, self.global_batch, efficiency=self.efficiency,
                                 stages=stages, vocab=vocab, recompute_repeats=repeats, cache=self.cost_cache,
-                                tp_step=tp_step, selective_repeats=selective_repeats, tp_realization=tp_realization)
+                                tp_step=tp_step, selective_repeats=selective_repeats, tp_realization=tp_realization,
+                                vocab_parallel_loss=vocab_parallel_loss)
             return with_fewest_recomputed_layers(run(strategy), stages, run, self.cost_cache) if fit else run(strategy)
 
         even_stages = even_partition(facts, strategy.pp * strategy.vp)
