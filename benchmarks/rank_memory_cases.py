@@ -4,9 +4,11 @@ prediction less its allocator margin: tensor storage, what the allocator's event
 
     .venv/bin/python benchmarks/rank_memory_cases.py [--only SUBSTRING]
 
-tests/test_rank_memory.py asserts the tensor-parallel loss cases; the others are printed (at 4e62e4f
-on this 2-core VM the first pipeline stage measured ~8% over its prediction at these tiny shapes, a
-constant 3-5 MB whatever the layers: not yet understood, the GPU rows have no pp plan).
+tests/test_rank_memory.py asserts the tensor-parallel cases (within 1% at 87a22fc); the others are
+printed. At 87a22fc on this 2-core VM pipeline stages measured 5-18% over their prediction at these tiny
+shapes: the last stage about one fp32 copy of a micro-batch's logits more, the first a constant 3-6 MiB
+whatever the layers. Not yet understood (the runtime keeps no stage outputs: `return_outputs=False`);
+no GPU row has a pp plan. ZeRO's ranks are over-predicted (safe).
 """
 
 from __future__ import annotations

@@ -14,10 +14,13 @@ torch's MemTracker, `_unsharded_peak`):
   backward's transient gradient buffers of a few b·s·h per layer (the head's, two fp32 logits-sized
   gradients, one in the logits' dtype for a stage compiled whole, are counted on the last stage:
   `evaluate.loss_gradient_bytes`).
-- Tensor parallelism: the head's logits are counted vocabulary-parallel (divided by tp) on every
+- Tensor parallelism: the head's saved logits are counted vocabulary-parallel (divided by tp) on every
   stage, as Megatron-LM runs them; autopar's runtime gathers them on a pipeline's last stage, so
-  its pp > 1, tp > 1 last stage is under-predicted by (tp−1)/tp of the logits. Without sp, the
-  replicated norm inputs are kept whole on each tp rank (counted).
+  its pp > 1, tp > 1 last stage is under-predicted by (tp−1)/tp of the logits. The loss's gradients
+  follow the runtime's layout (`LossLayout`). Without sp, the replicated norm inputs are kept whole on
+  each tp rank (counted).
+- Pipeline stages measured 5–18% over their prediction on CPU/gloo at tiny shapes
+  (`benchmarks/rank_memory_cases.py`): not yet explained.
 - Gradients are held at the compute precision (2 bytes); Megatron-LM accumulates them in an fp32
   buffer (4 bytes), so its runs hold 2 bytes per parameter more than predicted here.
 - The fragmentation margin under ZeRO and the CUDA/NCCL reserve are nominal (below); without ZeRO the
