@@ -146,7 +146,7 @@ def evaluate(
         rank_params[rank] += sum(elements for _, elements in tied["copies"])  # a tied head's copy of the embedding
     pipe = run_pipeline(pricing, prices, stages_units, exact)
     tails = rank_tails(pricing, prices, stages_units, rank_params, tied_ranks, overlap_grad_sync and s.dp_overlap)
-    loss = LossLayout.of(s, vocab, tp_realization, vocab_parallel_loss)
+    loss = LossLayout.of(s, vocab, vocab_parallel_loss)
     memory = rank_memory(pricing, prices, pipe, rank_params, stages_units, loss)
     return summarize(pricing, global_batch, prices, pipe, tails, memory)
 
@@ -293,13 +293,31 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult, ran
             if s.cp > 1 else 0.0,
             num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl, pp=s.pp,
             compiled=compiled_layers(s), autocast_counted=autocast_activations(pricing),
-            # the loss's gradients live before the first recomputed layer's transient: the larger counts
-            loss_bytes=max(0.0, head_gradient_bytes(pricing.facts, s, loss)
-                           - max(prices.stages[i].transient_bytes for i in stage_indices))
-            if len(prices.stages) - 1 in stage_indices else 0.0,
+            # the loss's gradients, or a fresh gradient accumulated into its weight's, live before the
+            # first recomputed layer's transient: the larger counts
+            loss_bytes=max(0.0, max(head_gradient_bytes(pricing.facts, s, loss)
+                                    if len(prices.stages) - 1 in stage_indices else 0.0,
+                                    accumulated_gradient_bytes(s, [u for i in stage_indices for u in stages_units[i]]))
+                           - max(prices.stages[i].transient_bytes for i in stage_indices)),
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )
+
+
+def accumulated_gradient_bytes(s: Strategy, units: list[Unit]) -> float:
+    """Accumulating micro-batches' gradients without ZeRO, autograd makes each weight's fresh gradient
+    beside the one it adds into: the largest trainable weight's fp32 gradient (this tp rank's shard),
+    such as an embedding table's dense gradient. Measured on CPU/gloo (`benchmarks/rank_memory_cases.py`):
+    a first pipeline stage peaked at its embedding's backward with two table-sized gradients alive.
+    FSDP2 (ZeRO >= 1) accumulates its own way: left out."""
+    if s.zero >= 1 or s.num_microbatches == 1:
+        return 0.0
+    largest = 0.0
+    for unit in units:
+        for (shape, split), trainable in zip(unit.param_shapes, unit.param_trainable or [True] * len(unit.param_shapes)):
+            if trainable:
+                largest = max(largest, math.prod(shape) / (s.tp if split is not None else 1))
+    return 4.0 * largest
 
 
 def loss_gradient_bytes(facts, s: Strategy, loss: LossLayout | None = None) -> float:

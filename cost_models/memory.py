@@ -19,8 +19,10 @@ torch's MemTracker, `_unsharded_peak`):
   its pp > 1, tp > 1 last stage is under-predicted by (tp−1)/tp of the logits. The loss's gradients
   follow the runtime's layout (`LossLayout`). Without sp, the replicated norm inputs are kept whole on
   each tp rank (counted).
-- Pipeline stages measured 5–18% over their prediction on CPU/gloo at tiny shapes
-  (`benchmarks/rank_memory_cases.py`): not yet explained.
+- Pipeline stages (`benchmarks/rank_memory_cases.py`, CPU/gloo, tiny shapes) measured within −4.5% and
+  +23% of their prediction once the last stage's kept logits (`stage_costs.retained_output_bytes`) and
+  the accumulated gradient (`evaluate.accumulated_gradient_bytes`) were counted; a small-vocabulary first
+  stage's 4.5% under is not yet explained.
 - Gradients are held at the compute precision (2 bytes); Megatron-LM accumulates them in an fp32
   buffer (4 bytes), so its runs hold 2 bytes per parameter more than predicted here.
 - The fragmentation margin under ZeRO and the CUDA/NCCL reserve are nominal (below); without ZeRO the
@@ -313,22 +315,23 @@ def planning_capacity_bytes(memory_bytes: float, headroom: float) -> float:
 
 @dataclass(frozen=True)
 class LossLayout:
-    """How the runtime runs the loss on the last stage (`runtime.parallelize`): on vocabulary shards where
-    the head is vocabulary-parallel at pp = 1 (`vocab_parallel`), and under `loss_parallel` then and
-    wherever tp runs through DTensor. Elsewhere (a tp head kept replicated, logits gathered for a
-    pipeline's last stage) every tp rank holds the whole logits. Until the loss's layout was priced,
-    its logits counted divided by tp at any pp = 1: a GPT at tp = 2 with its head replicated held 40%
-    more than priced (the CPU allocator's events, 6f7d45a)."""
+    """How the runtime runs the loss on the last stage (`runtime.parallelize`): on vocabulary shards, under
+    `loss_parallel`, where the head is vocabulary-parallel at pp = 1 (module rules and DTensor alike:
+    DTensor's logits not sharded over the vocabulary reach the loss as plain tensors). Elsewhere (a tp
+    head kept replicated, logits gathered for a pipeline's last stage) every tp rank holds the whole
+    logits. Until the loss's layout was priced, its logits counted divided by tp at any pp = 1: a GPT at
+    tp = 2 with its head replicated held 40% more than priced (the CPU allocator's events, 6f7d45a)."""
 
     vocab_parallel: bool = False
-    loss_parallel: bool = False
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.vocab_parallel
 
     @staticmethod
-    def of(s, vocab: int | None, tp_realization: str | None,
-           vocab_parallel: bool | None = None) -> LossLayout:
-        """`vocab_parallel`: whether the head's logits come out sharded (None: where `vocab` is given, the
-        analytic layouts' sign of a vocabulary-parallel head)."""
+    def of(s, vocab: int | None, vocab_parallel: bool | None = None) -> LossLayout:
+        """`vocab_parallel`: whether the head's logits come out sharded (a dry run's placements say; None:
+        where `vocab` is given, the analytic layouts' sign of a vocabulary-parallel head)."""
         if vocab_parallel is None:
             vocab_parallel = vocab is not None
-        sharded = bool(vocab_parallel) and s.tp > 1 and s.pp == 1
-        return LossLayout(sharded, sharded or (s.tp > 1 and s.pp == 1 and tp_realization == "dtensor"))
+        return LossLayout(bool(vocab_parallel) and s.tp > 1 and s.pp == 1)

@@ -27,7 +27,8 @@ class PlacedLayout:
     units: dict[str, Unit]  # by unit name
     recompute_repeats: dict[str, tuple[tuple[str, float], ...]]  # layer unit -> (kind, bytes per sample) resent
     vocab_parallel_head: bool  # the head's logits come out sharded over the vocabulary (and `step_collectives`
-    # adds the gathering or the loss's reductions; a dry run's layout lists those among its own)
+    # adds the gathering or the loss's reductions where given `vocab`; a dry run's layout lists those among
+    # its own, and the evaluator is given none)
     step: tuple[tuple[str, float], ...] = ()  # tp collectives (kind, bytes) sent once per step
     selective_repeats: bool = False  # `recompute_repeats` hold under selective recompute too (see step_collectives)
 
@@ -104,6 +105,17 @@ def placed_units(graph: OpGraph, units: Sequence[Unit], tp_placements: dict[str,
     return PlacedLayout(placed, repeats, head is not None and kind[head] == "col")
 
 
+def head_shards_vocabulary(graph: OpGraph, tp_placements: dict[str, str]) -> bool:
+    """Whether the head (the last Linear to run) is column-parallel: its logits come out sharded over
+    the vocabulary, as the runtime's `vocab_parallel` reads the same placement."""
+    order = {node.name: i for i, node in enumerate(graph.nodes)}
+    linears, _, weight_of = _weighted_modules(graph)
+    if not linears:
+        return False
+    head = max(linears, key=lambda path: order[linears[path].name])
+    return tp_placements.get(weight_of[head], "R") == "S(0)"
+
+
 def dry_run_units(graph: OpGraph, units: Sequence[Unit], collectives: Sequence, tp_placements: dict[str, str],
                   microbatch: int, recompute_policy: str = "full") -> PlacedLayout:
     """Units carrying exactly the tp collectives a dry run of the placements recorded
@@ -148,7 +160,10 @@ def dry_run_units(graph: OpGraph, units: Sequence[Unit], collectives: Sequence, 
         else:
             moves.setdefault(carrier[(unit, record.phase)], []).append((record.kind, record.bytes / microbatch, False))
     placed = _with_moves_and_shards(graph, units, unit_of, tp_placements, moves, microbatch)
-    return PlacedLayout(placed, {unit: tuple(items) for unit, items in repeats.items()}, False, tuple(step),
+    # the head's sharding says how the loss runs (`cost_models.memory.LossLayout`); its collectives are
+    # among the dry run's own, so the evaluator is given no `vocab` for them
+    return PlacedLayout(placed, {unit: tuple(items) for unit, items in repeats.items()},
+                        head_shards_vocabulary(graph, tp_placements), tuple(step),
                         selective_repeats=recompute_policy == "selective")
 
 

@@ -27,7 +27,7 @@ from autopar.cost_models.experts import all_to_all_time_s, replica_layout, unit_
 from autopar.cost_models.facts import ModelFacts, OpFacts, Unit
 from autopar.cost_models.memory import gradients_sharded, runs_autocast, state_bytes_per_param
 from autopar.cost_models.recompute import stage_policies
-from autopar.cost_models.compiled_stage import compiled_layers, whole_stage_compiled
+from autopar.cost_models.compiled_stage import compiled_layers, logit_element_bytes, whole_stage_compiled
 from autopar.cost_models.weight_passes import weight_pass_bytes
 
 
@@ -465,7 +465,8 @@ def price_stages(pricing: Pricing, stages_units: Sequence[Sequence[Unit]]) -> St
         stage_costs.append(StageCost(
             index, rank, sums.names, forward + forward_comm + zero3_forward + ep_forward + cp_forward,
             backward + sums.backward_comm_s + sums.recompute_s + zero3_backward + ep_backward + cp_backward,
-            sums.activation_bytes, sums.transient_bytes, sums.recomputed_layers, sums.backward_weight_s))
+            sums.activation_bytes + retained_output_bytes(pricing, index, len(stages_units)), sums.transient_bytes,
+            sums.recomputed_layers, sums.backward_weight_s))
         compute.append(forward + backward)
         recompute.append(sums.recompute_s)
         tp_comm.append(forward_comm + sums.backward_comm_s + zero3_forward + zero3_backward)
@@ -559,3 +560,17 @@ def _expert_all_to_alls_s(pricing: Pricing, units: Sequence[Unit], policies: Seq
             else:
                 backward += seconds
     return forward, backward
+
+
+def retained_output_bytes(pricing: Pricing, index: int, stages: int) -> float:
+    """What a pipeline's last stage keeps per micro-batch beside its saved activations: torch's pipelining
+    holds each stage's output until that micro-batch's backward (`fwd_cache`), and the last stage's is
+    the logits, whole over tp (gathered for the loss), in the compute precision. Measured on CPU/gloo
+    (`benchmarks/rank_memory_cases.py`): at its peak the last stage held one logits-sized tensor per
+    micro-batch in flight that the graph's saved tensors do not count. Other stages' outputs (one
+    hidden state each) are left out."""
+    s, facts = pricing.strategy, pricing.facts
+    if s.pp == 1 or index != stages - 1 or not facts.vocab:
+        return 0.0
+    return s.microbatch * facts.seq_len * facts.vocab * logit_element_bytes(facts.precision)
+

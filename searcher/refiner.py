@@ -16,8 +16,9 @@ from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import unit_time
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.context import rank_batch
-from autopar.cost_models.evaluate import (Evaluation, evaluate, head_gradient_bytes, partition as even_partition,
-                                          with_fewest_recomputed_layers)
+from autopar.cost_models.compiled_stage import logit_element_bytes
+from autopar.cost_models.evaluate import (Evaluation, accumulated_gradient_bytes, evaluate, head_gradient_bytes,
+                                          partition as even_partition, with_fewest_recomputed_layers)
 from autopar.cost_models.placed_collectives import PlacedLayout, dry_run_units, placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.collectives import head_vocab
@@ -319,10 +320,21 @@ class Refiner:
         # transient at the activation factor and the gradients' excess over it as they are
         # (`evaluate.rank_memory`): bounded from above by the largest transient any unit brings
         loss = head_gradient_bytes(facts, s)
+        largest = max((cost.transient_bytes for cost in costs), default=0.0) / factor
         if loss > 0 and costs:
-            largest = max(cost.transient_bytes for cost in costs) / factor
             costs[-1] = dataclasses.replace(costs[-1], transient_bytes=max(
                 costs[-1].transient_bytes, loss + (factor - 1) * largest))
+        # so does a weight's fresh gradient beside the one it accumulates into (`accumulated_gradient_bytes`),
+        # on whichever stage holds the weight; and the last stage keeps each in-flight micro-batch's logits
+        for index, unit in enumerate(facts.units):
+            fresh = accumulated_gradient_bytes(s, [unit])
+            if fresh > 0:
+                costs[index] = dataclasses.replace(costs[index], transient_bytes=max(
+                    costs[index].transient_bytes, fresh + (factor - 1) * largest))
+        if costs and facts.vocab:
+            costs[-1] = dataclasses.replace(costs[-1], activation_bytes=costs[-1].activation_bytes + factor
+                                            * s.microbatch * facts.seq_len * facts.vocab
+                                            * logit_element_bytes(facts.precision))
         # interleaved: chunks of 1/vp of the memory each (`inter_op`); the zero-bubble schedules
         # (other placements and orders) as before, each virtual stage priced like a 1F1B stage
         bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,

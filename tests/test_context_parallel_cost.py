@@ -16,7 +16,7 @@ from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import op_time_s
 from autopar.cost_models.context import (AttentionLayer, context_parallel_refusal, exchange_buffer_bytes,
                                          ring_exposed_s)
-from autopar.cost_models.evaluate import evaluate, loss_gradient_bytes, partition
+from autopar.cost_models.evaluate import accumulated_gradient_bytes, evaluate, loss_gradient_bytes, partition
 from autopar.cost_models.strategy import check_fixed_degrees, check_strategy, parse_strategy
 from autopar.errors import AutoparError
 from autopar.plan_schema import Plan, Strategy
@@ -192,9 +192,11 @@ def test_activations_divide_by_cp_and_the_ring_adds_its_blocks(llama):
     assert split.memory[0].activations == pytest.approx(whole.memory[0].activations / 4)
     ring_blocks = 8 * _block(_strategy(cp=4), G)  # K, V, dK, dV in use and four arriving
 
-    def loss_buffer(evaluation):  # the cross entropy's gradients at the head, a rank's 1/cp of the positions
+    def loss_buffer(evaluation):  # the cross entropy's gradients at the head, a rank's 1/cp of the positions,
+        # or a weight's fresh gradient beside its accumulated one, the larger
         transient = max(stage.transient_bytes for stage in evaluation.stages)
-        return max(0.0, loss_gradient_bytes(facts, evaluation.strategy) - transient)
+        s = evaluation.strategy
+        return max(0.0, max(loss_gradient_bytes(facts, s), accumulated_gradient_bytes(s, list(facts.units))) - transient)
 
     assert split.memory[0].buffers - whole.memory[0].buffers == pytest.approx(
         ring_blocks + loss_buffer(split) - loss_buffer(whole))

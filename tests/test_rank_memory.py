@@ -1,11 +1,13 @@
-"""Each rank's peak under tensor parallelism against the memory model (`profiler.rank_memory`: the CPU
+"""Each rank's peak under tensor parallelism and pipeline stages against the memory model (`profiler.rank_memory`: the CPU
 allocator's events around one `train_step` through the runtime, 2 gloo processes, real small tensors).
 
 The loss's layout decides the last stage's largest transient: on vocabulary shards under `loss_parallel`
 (a vocabulary-parallel head at pp = 1) its backward holds three fp32 shards of the logits; with the head
 kept replicated every tp rank holds the whole logits and two fp32 gradients of them. Before the layout
 was priced, these plans measured 15% (sharded) and 40% (replicated) over their prediction. Asserted:
-within 2% below and 5% above, on every rank (measured at 87a22fc: 0.992 to 1.002).
+within 2% below and 5% above, on every rank. A pipeline's last stage keeps each in-flight micro-batch's
+logits, and micro-batches accumulated without ZeRO hold a weight's fresh gradient beside its sum: priced
+since, those stages are within 5% below and 25% above.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ def _strategy(**keys) -> Strategy:
 
 
 def test_the_loss_layout_follows_the_head_and_the_stages():
-    """Vocabulary shards only at pp = 1 with a vocabulary-parallel head; `loss_parallel` there and
-    wherever tp runs through DTensor; a pipeline's last stage gathers the logits."""
+    """Vocabulary shards (under `loss_parallel`) only at pp = 1 with a vocabulary-parallel head, whether
+    the analytic layout (`vocab` given) or a dry run's placements say so; a pipeline's last stage
+    gathers the logits."""
     tp2, pp2 = _strategy(tp=2), _strategy(tp=2, pp=2)
-    assert LossLayout.of(tp2, 1024, "modules") == LossLayout(vocab_parallel=True, loss_parallel=True)
-    assert LossLayout.of(tp2, None, "modules") == LossLayout(False, False)  # the head kept replicated
-    assert LossLayout.of(tp2, None, "modules", vocab_parallel=True) == LossLayout(True, True)  # a dry run's head
-    assert LossLayout.of(tp2, None, "dtensor") == LossLayout(False, True)
-    assert LossLayout.of(pp2, 1024, "modules") == LossLayout(False, False)
-    assert LossLayout.of(_strategy(), 1024, None) == LossLayout(False, False)
+    assert LossLayout.of(tp2, 1024) == LossLayout(vocab_parallel=True) and LossLayout(True).loss_parallel
+    assert LossLayout.of(tp2, None) == LossLayout(False)  # the head kept replicated
+    assert LossLayout.of(tp2, None, vocab_parallel=True) == LossLayout(True)  # a dry run's column-parallel head
+    assert LossLayout.of(tp2, 1024, vocab_parallel=False) == LossLayout(False)
+    assert LossLayout.of(pp2, 1024) == LossLayout(False)
+    assert LossLayout.of(_strategy(), 1024) == LossLayout(False)
 
 
 def test_the_loss_gradients_are_counted_as_the_layout_runs_them(gpt_256):
@@ -43,14 +46,18 @@ def test_the_loss_gradients_are_counted_as_the_layout_runs_them(gpt_256):
     _, _, facts = gpt_256
     s = _strategy(tp=2, microbatch=2)
     logits = 2 * facts.seq_len * facts.vocab
-    assert loss_gradient_bytes(facts, s, LossLayout(False, False)) == 8 * logits
-    assert loss_gradient_bytes(facts, s, LossLayout(True, True)) == 12 * logits / 2
+    assert loss_gradient_bytes(facts, s, LossLayout(False)) == 8 * logits
+    assert loss_gradient_bytes(facts, s, LossLayout(True)) == 12 * logits / 2
     assert loss_gradient_bytes(facts, s) == 8 * logits  # no layout given: the whole logits
 
 
-@pytest.mark.parametrize("label", ["tp=2 vocab-parallel head", "tp=2 sp bf16", "tp=2 head replicated (the ILP's)",
-                                   "llama tp=2"])
-def test_each_tensor_parallel_rank_peaks_as_priced(label):
+@pytest.mark.parametrize("label, low, high", [
+    ("tp=2 vocab-parallel head", 0.98, 1.05), ("tp=2 sp bf16", 0.98, 1.05),
+    ("tp=2 head replicated (the ILP's)", 0.98, 1.05), ("llama tp=2", 0.98, 1.05),
+    # pipeline stages (87a22fc: 0.908 and 0.894 before their terms); the first stage of a small
+    # vocabulary is still 4.5% under (`rank_memory_cases.py`), not yet explained
+    ("pp=2 1f1b, 4 micro-batches", 0.95, 1.25), ("pp=2 gpipe, 2 micro-batches of 2", 0.95, 1.25)])
+def test_each_rank_peaks_as_priced(label, low, high):
     import rank_memory_cases
 
     (case,) = [case for case in rank_memory_cases.CASES if case[0] == label]
@@ -60,4 +67,25 @@ def test_each_tensor_parallel_rank_peaks_as_priced(label):
     rows = rank_memory_cases.run([case])
     assert len(rows) == 2
     for row in rows:
-        assert 0.98 <= row["ratio"] <= 1.05, row
+        assert low <= row["ratio"] <= high, row
+
+
+def test_a_dry_run_plan_prices_its_column_parallel_head_as_the_analytic_one_does(gpt_256):
+    """The search prices a model whose tp is decided by dry runs (`capabilities_for`) from what they
+    send; its head's sharding comes from the placements (`head_shards_vocabulary`), so the zoo GPT at
+    tp = 2 under Megatron's layout is priced the same peak either way. Before, the dry-run path priced
+    the whole logits: 15% more (a review, 87a22fc)."""
+    from autopar.cluster import load_cluster
+    from autopar.runtime.tensor_parallel.realization import capabilities_for
+    from autopar.searcher.search import search
+
+    spec, graph, facts = gpt_256
+    example = spec.example_inputs(1)
+    fixed = dict(dp=1, tp=2, pp=1, sp=False, zero=0, microbatch=2, recompute="none")
+    cluster = load_cluster("dgx-h100", gpus=2)
+    analytic = search(graph, facts, cluster, 2, fixed=fixed, use_ilp=False)
+    dry_run = search(graph, facts, cluster, 2, fixed=fixed, use_ilp=False,
+                     capabilities=capabilities_for(spec.module, example, spec.loss_fn))
+    assert dry_run.best.tp_layout is not None and dry_run.best.tp_realization == "modules"  # priced from a dry run
+    assert dry_run.best.evaluation.peak_memory_bytes == pytest.approx(analytic.best.evaluation.peak_memory_bytes,
+                                                                      rel=1e-3)
