@@ -306,17 +306,24 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult, ran
 
 def accumulated_gradient_bytes(s: Strategy, units: list[Unit]) -> float:
     """Accumulating micro-batches' gradients without ZeRO, autograd makes each weight's fresh gradient
-    beside the one it adds into: the largest trainable weight's fp32 gradient (this tp rank's shard),
-    such as an embedding table's dense gradient. Measured on CPU/gloo (`benchmarks/rank_memory_cases.py`):
-    a first pipeline stage peaked at its embedding's backward with two table-sized gradients alive.
-    FSDP2 (ZeRO >= 1) accumulates its own way: left out."""
+    beside the one it adds into: the largest trainable weight's fp32 gradient on this rank (its tp shard;
+    a stacked experts tensor's 1/ep; a tied weight's copy borrowed from another stage), such as an
+    embedding table's dense gradient. Measured on CPU/gloo (`benchmarks/rank_memory_cases.py`): a first
+    pipeline stage peaked at its embedding's backward with two table-sized gradients alive. Counted on
+    top of the rank's in-flight peak, though a first stage's embedding backward ends its micro-batch:
+    over, on the safe side. FSDP2 (ZeRO >= 1) accumulates its own way: left out."""
     if s.zero >= 1 or s.num_microbatches == 1:
         return 0.0
     largest = 0.0
     for unit in units:
-        for (shape, split), trainable in zip(unit.param_shapes, unit.param_trainable or [True] * len(unit.param_shapes)):
-            if trainable:
-                largest = max(largest, math.prod(shape) / (s.tp if split is not None else 1))
+        trainable = unit.param_trainable or (True,) * len(unit.param_shapes)
+        for (shape, split), trains in zip(unit.param_shapes, trainable):
+            if trains:  # the zoo's experts are its only 3-D weights, stacked over the experts
+                experts = s.ep if len(shape) == 3 else 1
+                largest = max(largest, math.prod(shape) / (s.tp if split is not None else 1) / experts)
+        if s.pp > 1:  # a tied weight's copy on this stage (`evaluate` adds it to the rank's states)
+            for _, elements, sharded in unit.borrowed:
+                largest = max(largest, elements / (s.tp if sharded else 1))
     return 4.0 * largest
 
 

@@ -51,6 +51,34 @@ def test_the_loss_gradients_are_counted_as_the_layout_runs_them(gpt_256):
     assert loss_gradient_bytes(facts, s) == 8 * logits  # no layout given: the whole logits
 
 
+def test_the_fresh_gradient_is_the_largest_weight_this_rank_holds():
+    """The transient of accumulating micro-batches (`accumulated_gradient_bytes`): the largest trainable
+    weight's fp32 gradient, its tp shard, a stacked experts tensor's 1/ep, a tied copy borrowed on a later
+    stage; none with one micro-batch or under ZeRO."""
+    import dataclasses
+
+    from autopar.cost_models.evaluate import accumulated_gradient_bytes
+    from autopar.cost_models.facts import Unit
+
+    def unit(shapes, borrowed=()):
+        return Unit(name="u", layer_type=None, ops=(), params=0, sharded_params=0, input_bytes=0.0,
+                    param_shapes=tuple(shapes), param_trainable=(True,) * len(shapes), borrowed=borrowed)
+
+    table = unit([((1000, 64), 0), ((64,), None)])
+    many = dict(num_microbatches=4)
+    assert accumulated_gradient_bytes(_strategy(**many), [table]) == 4 * 1000 * 64
+    assert accumulated_gradient_bytes(_strategy(tp=2, **many), [table]) == 4 * 1000 * 64 / 2
+    assert accumulated_gradient_bytes(_strategy(), [table]) == 0  # one micro-batch: nothing accumulates
+    assert accumulated_gradient_bytes(_strategy(zero=1, **many), [table]) == 0
+    frozen = dataclasses.replace(table, param_trainable=(False, True))
+    assert accumulated_gradient_bytes(_strategy(**many), [frozen]) == 4 * 64
+    experts = unit([((8, 64, 256), None)])
+    assert accumulated_gradient_bytes(_strategy(dp=4, ep=4, **many), [experts]) == 4 * 8 * 64 * 256 / 4
+    head = unit([((64,), None)], borrowed=(("pre", 1000 * 64, True),))
+    assert accumulated_gradient_bytes(_strategy(pp=2, tp=2, **many), [head]) == 4 * 1000 * 64 / 2
+    assert accumulated_gradient_bytes(_strategy(**many), [head]) == 4 * 64  # one stage: the owner's
+
+
 @pytest.mark.parametrize("label, low, high", [
     ("tp=2 vocab-parallel head", 0.98, 1.05), ("tp=2 sp bf16", 0.98, 1.05),
     ("tp=2 head replicated (the ILP's)", 0.98, 1.05), ("llama tp=2", 0.98, 1.05),
