@@ -13,7 +13,7 @@ import torch
 import autopar
 from autopar.cost_models.collectives import step_collectives
 from autopar.cost_models.communication import collective_time_s, group_layout
-from autopar.cost_models.evaluate import evaluate
+from autopar.cost_models.evaluate import accumulated_gradient_bytes, evaluate, loss_gradient_bytes
 from autopar.cost_models.experts import LOAD_IMBALANCE
 from autopar.cost_models.facts import model_facts
 from autopar.cost_models.strategy import parse_strategy
@@ -103,7 +103,16 @@ def test_ep_shards_expert_states_and_prices_the_all_to_alls(small):
     assert dense.memory[0].optimizer_states - sharded.memory[0].optimizer_states == pytest.approx(
         expert_elements / 2 * 8)
     dispatch = 2 * E * CAPACITY * HIDDEN * 2  # one all-to-all's buffer for a micro-batch of 2
-    assert sharded.memory[0].buffers - dense.memory[0].buffers == pytest.approx(2 * dispatch)
+
+    def fresh_gradient(evaluation):  # accumulating micro-batches: the largest weight's fresh gradient beside
+        # its sum, the experts' 1/ep under ep, where it exceeds the loss's gradients and the transients
+        s, transient = evaluation.strategy, max(stage.transient_bytes for stage in evaluation.stages)
+        return max(0.0, max(loss_gradient_bytes(facts, s), accumulated_gradient_bytes(s, list(facts.units)))
+                   - transient)
+
+    assert sharded.memory[0].buffers - dense.memory[0].buffers == pytest.approx(
+        2 * dispatch + fresh_gradient(sharded) - fresh_gradient(dense))
+    assert fresh_gradient(sharded) < fresh_gradient(dense)  # half the stacked experts' gradient
     one = LOAD_IMBALANCE * collective_time_s("all_to_all", dispatch, group_layout(2, 1, 8), cluster)
     # 2 micro-batches x 2 layers x (dispatch + combine) x (forward + backward)
     assert sharded.breakdown["expert_all_to_all"] == pytest.approx(2 * 2 * 2 * 2 * one)
