@@ -82,8 +82,8 @@ def test_the_fresh_gradient_is_the_largest_weight_this_rank_holds():
 @pytest.mark.parametrize("label, low, high", [
     ("tp=2 vocab-parallel head", 0.98, 1.05), ("tp=2 sp bf16", 0.98, 1.05),
     ("tp=2 head replicated (the ILP's)", 0.98, 1.05), ("llama tp=2", 0.98, 1.05),
-    # pipeline stages (87a22fc: 0.908 and 0.894 before their terms); the first stage of a small
-    # vocabulary is still 4.5% under (`rank_memory_cases.py`), not yet explained
+    # pipeline stages (at 87a22fc, before their terms, the search's interleaved plan measured 0.908 and
+    # 0.894); the first stage of a small vocabulary is still 4.5% under (`rank_memory_cases.py`): open
     ("pp=2 1f1b, 4 micro-batches", 0.95, 1.25), ("pp=2 gpipe, 2 micro-batches of 2", 0.95, 1.25)])
 def test_each_rank_peaks_as_priced(label, low, high):
     import rank_memory_cases
