@@ -13,7 +13,7 @@ layers separate a layer's share from the rest (the embedding, the final norm, th
   autograd saves and the trace counts (GPT-1.3B: 1.74 GiB beside the layers against 3.20 traced; the
   Llama: 2.02 against 4.10), and its backward writes the logits' gradient once, in their dtype, from one
   fused kernel (inductor's generated code for `models.lm_loss`, read on CPU) where eager holds two fp32
-  gradients of their size (`evaluate.loss_gradient_bytes`).
+  gradients of their size (`backward_memory.loss_gradient_bytes`).
 
 Held out: GPT-1.3B compiled at micro-batch 8 allocated 47.5 GiB on the lent H200 (0621687, 7f4beee)
 and 47.5 on the H100 (2fef514), against 56.6 eager; the eager model priced it at 65.4 GiB.

@@ -20,21 +20,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from autopar.capabilities import gemm_padding_problem
 from autopar.cluster import ClusterSpec
 from autopar.plan_schema import Strategy, rank_stage_indices
 from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_indexed_gradient_gathers,
                                              sequence_parallel_gradient_reductions,
                                              tied_across_ranks)
 from autopar.cost_models.communication import collective_time_s, group_layout
+from autopar.cost_models.backward_memory import (backward_working_bytes, compiled_loss_saving_bytes,
+                                                head_gradient_bytes)
+from autopar.cost_models.compiled_stage import compiled_layers
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
-from autopar.cost_models.compiled_stage import EAGER_SAVED_BYTES_PER_LOGIT, compiled_layers, loss_bytes_per_logit
 from autopar.cost_models.context import exchange_buffer_bytes, rank_batch, replicas, sync_layout
 from autopar.cost_models.experts import dispatch_buffer_bytes, replica_layout
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.implementation import as_run
 from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, LossLayout, MemoryBreakdown,
-                                        activation_scale, autocast_states, device_memory,
+                                        activation_scale, device_memory,
                                         planning_capacity_bytes, state_bytes_per_param)
 from autopar.cost_models.offload import OffloadCost, host_capacity_bytes, node_host_bytes, offload_cost
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
@@ -293,101 +294,25 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult, ran
             if s.cp > 1 else 0.0,
             num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl, pp=s.pp,
             compiled=compiled_layers(s), autocast_counted=autocast_activations(pricing),
-            # the loss's gradients, or a fresh gradient accumulated into its weight's, live before the
-            # first recomputed layer's transient: the larger counts
+            # the loss's gradients, or a unit's backward working set (its gradients in flight, a fresh
+            # gradient accumulated into its weight's), live before the first recomputed layer's
+            # transient: the larger counts
             loss_bytes=max(0.0, max(head_gradient_bytes(pricing.facts, s, loss)
                                     if len(prices.stages) - 1 in stage_indices else 0.0,
-                                    accumulated_gradient_bytes(s, [u for i in stage_indices for u in stages_units[i]]))
+                                    max(backward_working_bytes(pricing, stages_units[i], i) for i in stage_indices))
                            - max(prices.stages[i].transient_bytes for i in stage_indices)),
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )
 
 
-def accumulated_gradient_bytes(s: Strategy, units: list[Unit]) -> float:
-    """Accumulating micro-batches' gradients without ZeRO, autograd makes each weight's fresh gradient
-    beside the one it adds into: the largest trainable weight's fp32 gradient on this rank (its tp shard;
-    a stacked experts tensor's 1/ep; a tied weight's copy borrowed from another stage), such as an
-    embedding table's dense gradient. Measured on CPU/gloo (`benchmarks/rank_memory_cases.py`): a first
-    pipeline stage peaked at its embedding's backward with two table-sized gradients alive. Counted on
-    top of the rank's in-flight peak, though a first stage's embedding backward ends its micro-batch:
-    over, on the safe side. FSDP2 (ZeRO >= 1) accumulates its own way: left out."""
-    if s.zero >= 1 or s.num_microbatches == 1:
-        return 0.0
-    largest = 0.0
-    for unit in units:
-        trainable = unit.param_trainable or (True,) * len(unit.param_shapes)
-        for (shape, split), trains in zip(unit.param_shapes, trainable):
-            if trains:  # the zoo's experts are its only 3-D weights, stacked over the experts
-                experts = s.ep if len(shape) == 3 else 1
-                largest = max(largest, math.prod(shape) / (s.tp if split is not None else 1) / experts)
-        if s.pp > 1:  # a tied weight's copy on this stage (`evaluate` adds it to the rank's states)
-            for _, elements, sharded in unit.borrowed:
-                largest = max(largest, elements / (s.tp if sharded else 1))
-    return 4.0 * largest
-
-
-def loss_gradient_bytes(facts, s: Strategy, loss: LossLayout | None = None) -> float:
-    """The cross entropy's backward at the head: the gradients of its nll_loss and of its log_softmax,
-    two fp32 tensors the size of the logits beside the saved log-probabilities (counted with the
-    activations), at the peak of the last stage (MemTracker, `profiler/memory_tracker.py`: 8·b·s·V
-    bytes exactly); three, on vocabulary shards (divided by tp), when the loss runs under `loss_parallel`
-    (`LossLayout`). A stage compiled whole writes one gradient in the logits' dtype (`cost_models.compiled_stage`)."""
-    if not facts.vocab:
-        return 0.0
-    loss = loss or LossLayout()
-    _, gradient = loss_bytes_per_logit(facts.precision, _compiled_loss(facts, s), loss.loss_parallel)
-    return gradient * _logits(facts, s, loss)
-
-
-def _compiled_loss(facts, s: Strategy) -> bool:
-    """Whether the loss is priced as compiled: a whole stage without recompute, under bf16 autocast
-    (what `cost_models.compiled_stage` measured)."""
-    return compiled_layers(s) and autocast_states(facts.precision, s.zero, s.offload, s.optimizer_state)
-
-
-def _logits(facts, s: Strategy, loss: LossLayout | None = None) -> float:
-    """Logits of one micro-batch on the last stage: on vocabulary shards where the loss runs on them."""
-    shards = s.tp if loss is not None and loss.vocab_parallel else 1
-    return s.microbatch * facts.seq_len / s.cp * facts.vocab / shards
-
-
-def compiled_loss_saving_bytes(facts, s: Strategy) -> float:
-    """What a stage compiled whole saves less for its loss than the trace counts (fp32 log-probabilities
-    against the logits in their precision, `cost_models.compiled_stage`); 0 elsewhere."""
-    if not facts.vocab or not _compiled_loss(facts, s):
-        return 0.0
-    saved, _ = loss_bytes_per_logit(facts.precision, compiled=True)
-    return (EAGER_SAVED_BYTES_PER_LOGIT - saved) * _logits(facts, s)
-
-
-def head_gradient_bytes(facts: ModelFacts, s: Strategy, loss: LossLayout | None = None) -> float:
-    """What the head's backward holds beside the activations, at its largest: the loss's gradients
-    (`loss_gradient_bytes`) or, where the runtime pads a misaligned layer, the padded copy of its output
-    gradient (`padding_transient_bytes`) beside the 16-bit gradient it copies; eager, the cast to 16 bits
-    comes after the loss's fp32 gradients are freed, and a stage compiled whole writes the padded
-    gradient in place of the other. So the two do not add: on one H200 (0621687, 51e73c2), GPT-1.3B with
-    its 50,257-wide head padded at runtime allocated what the model built 50,304 wide did, eager
-    (56.6 GiB both) and compiled whole (47.5 GiB both), where their sum priced it 1.5 GiB more. Measured
-    without ZeRO only; the copied gradient is taken as the logits' (the widest padded layer is the head
-    in the zoo and Hugging Face's models)."""
-    gradients = loss_gradient_bytes(facts, s, loss)
-    padding = padding_transient_bytes(facts, s)
-    if not padding:
-        return gradients
-    source = 0.0 if _compiled_loss(facts, s) or not facts.vocab else 2.0 * _logits(facts, s, loss)
-    return max(gradients, source + padding)
-
-
-def padding_transient_bytes(facts: ModelFacts, s: Strategy) -> float:
-    """The output gradient a padded linear layer's backward copies to its padded width (16-bit,
-    `compute.padding_copy_bytes`), beside the loss's gradients at the head: the widest such copy,
-    where the runtime pads (`capabilities.gemm_padding_problem`)."""
-    if gemm_padding_problem(s, facts.precision) is not None:
-        return 0.0
-    return max((2.0 * op.gemm.padding[1] * op.gemm.at(rank_batch(s), 1)[op.gemm.scaled]
-                for unit in facts.units if unit.padded_gemms for op in unit.backward_ops
-                if op.gemm is not None and op.gemm.padding is not None and not op.weight_gradient), default=0.0)
+def stage_working_bytes(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy) -> list[float]:
+    """Each stage's `backward_working_bytes` under the even split and `evaluate`'s defaults."""
+    s = strategy
+    facts, stages_units = priced_stages(facts, s, None)
+    pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=DEFAULT_EFFICIENCY, cache=CostCache(),
+                      tp_layout=group_layout(s.tp, 1, cluster.gpus_per_node), dp_layout=sync_layout(s, cluster.gpus_per_node))
+    return [backward_working_bytes(pricing, units, index) for index, units in enumerate(stages_units)]
 
 
 def summarize(pricing: Pricing, global_batch: int, prices: StagePrices, pipe: PipelineResult,

@@ -10,19 +10,20 @@ What this model gets wrong (issue #18; issue #29 checked the unsharded case on a
 torch's MemTracker, `_unsharded_peak`):
 - Sequence length: activations are the traced graph's saved tensors, linear in s with fused
   attention (s² with `attention=math`), which matches Korthikanti et al. 2022 (32·s·h per layer and
-  sample at tp=1, 4·s·h with tp=8 and sp, vs their 34 and 4.25 with dropout masks). Missing: the
-  backward's transient gradient buffers of a few b·s·h per layer (the head's, two fp32 logits-sized
-  gradients, one in the logits' dtype for a stage compiled whole, are counted on the last stage:
-  `evaluate.loss_gradient_bytes`).
+  sample at tp=1, 4·s·h with tp=8 and sp, vs their 34 and 4.25 with dropout masks). The backward's
+  transient gradients: the head's (two fp32 logits-sized gradients, one in the logits' dtype for a
+  stage compiled whole) on the last stage (`backward_memory.loss_gradient_bytes`); a layer's in flight (the
+  stream's and its largest saved tensor's) with an accumulated weight's fresh gradient on any stage
+  (`backward_memory.backward_working_bytes`); the larger counts.
 - Tensor parallelism: the head's saved logits are counted vocabulary-parallel (divided by tp) on every
   stage, as Megatron-LM runs them; autopar's runtime gathers them on a pipeline's last stage, so
   its pp > 1, tp > 1 last stage is under-predicted by (tp−1)/tp of the logits. The loss's gradients
   follow the runtime's layout (`LossLayout`). Without sp, the replicated norm inputs are kept whole on
   each tp rank (counted).
-- Pipeline stages (`benchmarks/rank_memory_cases.py`, CPU/gloo, tiny shapes) measured within −4.5% and
-  +23% of their prediction once the last stage's kept logits (`stage_costs.retained_output_bytes`) and
-  the accumulated gradient (`evaluate.accumulated_gradient_bytes`) were counted; a small-vocabulary first
-  stage's 4.5% under is not yet explained.
+- Pipeline stages (`benchmarks/rank_memory_cases.py`, CPU/gloo, tiny shapes) measured within −1.7% and
+  +15% of their prediction once the last stage's kept logits (`stage_costs.retained_output_bytes`) and
+  the backward's working set (`backward_memory.backward_working_bytes`) were counted: 1F1B within 0.1%, GPipe's
+  first stage 15% over (its most micro-batches in flight come before any gradient exists; priced together).
 - Gradients are held at the compute precision (2 bytes); Megatron-LM accumulates them in an fp32
   buffer (4 bytes), so its runs hold 2 bytes per parameter more than predicted here.
 - The fragmentation margin under ZeRO and the CUDA/NCCL reserve are nominal (below); without ZeRO the
@@ -196,7 +197,7 @@ def device_memory(
         return _unsharded_peak(params_on_device, activation_bytes, buffers, loss_bytes, num_microbatches,
                                optimizer_impl, autocast_states(precision, zero, offload, optimizer_state), compiled,
                                autocast_counted)
-    buffers += loss_bytes  # the last stage: the cross entropy's gradients at the head (`evaluate.loss_gradient_bytes`)
+    buffers += loss_bytes  # the last stage: the cross entropy's gradients at the head (`backward_memory.loss_gradient_bytes`)
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
         buffers=buffers, margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers),

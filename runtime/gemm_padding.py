@@ -4,7 +4,7 @@ why the result is the model's own): the weight padded with zero rows, the output
 The class of each such module becomes `PaddedLinear`, a subclass of `nn.Linear` whose forward alone
 differs: parameters, names, the state dict and checkpoints stay the model's. The cost model prices
 the aligned products and the pad copies (`cost_models.compute.padding_copy_bytes`,
-`evaluate.padding_transient_bytes`) for the same layers and plans (`capabilities.gemm_padding_problem`).
+`backward_memory.padding_transient_bytes`) for the same layers and plans (`capabilities.gemm_padding_problem`).
 """
 
 from __future__ import annotations

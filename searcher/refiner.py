@@ -17,8 +17,9 @@ from autopar.cost_models.compute import unit_time
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.context import rank_batch
 from autopar.cost_models.compiled_stage import logit_element_bytes
-from autopar.cost_models.evaluate import (Evaluation, accumulated_gradient_bytes, evaluate, head_gradient_bytes,
-                                          partition as even_partition, with_fewest_recomputed_layers)
+from autopar.cost_models.backward_memory import head_gradient_bytes, unit_working_bytes
+from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition,
+                                          with_fewest_recomputed_layers)
 from autopar.cost_models.placed_collectives import PlacedLayout, dry_run_units, placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.collectives import head_vocab
@@ -324,13 +325,15 @@ class Refiner:
         if loss > 0 and costs:
             costs[-1] = dataclasses.replace(costs[-1], transient_bytes=max(
                 costs[-1].transient_bytes, loss + (factor - 1) * largest))
-        # so does a weight's fresh gradient beside the one it accumulates into (`accumulated_gradient_bytes`),
-        # on whichever stage holds the weight; and the last stage keeps each in-flight micro-batch's logits
+        # so does a unit's backward working set (`unit_working_bytes`: its gradients in flight, a weight's
+        # fresh gradient beside the one it accumulates into), on whichever stage holds the unit, weighed
+        # whole (the evaluator frees the units after it first); and the last stage keeps each in-flight
+        # micro-batch's logits
         for index, unit in enumerate(facts.units):
-            fresh = accumulated_gradient_bytes(s, [unit])
-            if fresh > 0:
+            working = unit_working_bytes(facts, s, unit, counted)
+            if working > 0:
                 costs[index] = dataclasses.replace(costs[index], transient_bytes=max(
-                    costs[index].transient_bytes, fresh + (factor - 1) * largest))
+                    costs[index].transient_bytes, working + (factor - 1) * largest))
         if costs and facts.vocab:
             costs[-1] = dataclasses.replace(costs[-1], activation_bytes=costs[-1].activation_bytes + factor
                                             * s.microbatch * facts.seq_len * facts.vocab

@@ -16,7 +16,8 @@ from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.compute import op_time_s
 from autopar.cost_models.context import (AttentionLayer, context_parallel_refusal, exchange_buffer_bytes,
                                          ring_exposed_s)
-from autopar.cost_models.evaluate import accumulated_gradient_bytes, evaluate, loss_gradient_bytes, partition
+from autopar.cost_models.backward_memory import loss_gradient_bytes
+from autopar.cost_models.evaluate import evaluate, partition, stage_working_bytes
 from autopar.cost_models.strategy import check_fixed_degrees, check_strategy, parse_strategy
 from autopar.errors import AutoparError
 from autopar.plan_schema import Plan, Strategy
@@ -193,10 +194,11 @@ def test_activations_divide_by_cp_and_the_ring_adds_its_blocks(llama):
     ring_blocks = 8 * _block(_strategy(cp=4), G)  # K, V, dK, dV in use and four arriving
 
     def loss_buffer(evaluation):  # the cross entropy's gradients at the head, a rank's 1/cp of the positions,
-        # or a weight's fresh gradient beside its accumulated one, the larger
+        # or a unit's backward working set (`backward_working_bytes`: its gradients in flight, a weight's
+        # fresh gradient beside its accumulated one), the larger
         transient = max(stage.transient_bytes for stage in evaluation.stages)
         s = evaluation.strategy
-        return max(0.0, max(loss_gradient_bytes(facts, s), accumulated_gradient_bytes(s, list(facts.units))) - transient)
+        return max(0.0, max(loss_gradient_bytes(facts, s), *stage_working_bytes(facts, cluster, s)) - transient)
 
     assert split.memory[0].buffers - whole.memory[0].buffers == pytest.approx(
         ring_blocks + loss_buffer(split) - loss_buffer(whole))

@@ -13,7 +13,8 @@ import torch
 import autopar
 from autopar.cost_models.collectives import step_collectives
 from autopar.cost_models.communication import collective_time_s, group_layout
-from autopar.cost_models.evaluate import accumulated_gradient_bytes, evaluate, loss_gradient_bytes
+from autopar.cost_models.backward_memory import loss_gradient_bytes
+from autopar.cost_models.evaluate import evaluate, stage_working_bytes
 from autopar.cost_models.experts import LOAD_IMBALANCE
 from autopar.cost_models.facts import model_facts
 from autopar.cost_models.strategy import parse_strategy
@@ -104,10 +105,11 @@ def test_ep_shards_expert_states_and_prices_the_all_to_alls(small):
         expert_elements / 2 * 8)
     dispatch = 2 * E * CAPACITY * HIDDEN * 2  # one all-to-all's buffer for a micro-batch of 2
 
-    def fresh_gradient(evaluation):  # accumulating micro-batches: the largest weight's fresh gradient beside
-        # its sum, the experts' 1/ep under ep, where it exceeds the loss's gradients and the transients
+    def fresh_gradient(evaluation):  # a unit's backward working set (`backward_working_bytes`): accumulating
+        # micro-batches, its largest weight's fresh gradient beside its sum (the experts' 1/ep under ep) and
+        # its gradients in flight, where it exceeds the loss's gradients and the transients
         s, transient = evaluation.strategy, max(stage.transient_bytes for stage in evaluation.stages)
-        return max(0.0, max(loss_gradient_bytes(facts, s), accumulated_gradient_bytes(s, list(facts.units)))
+        return max(0.0, max(loss_gradient_bytes(facts, s), *stage_working_bytes(facts, cluster, s))
                    - transient)
 
     assert sharded.memory[0].buffers - dense.memory[0].buffers == pytest.approx(

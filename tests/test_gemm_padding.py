@@ -15,7 +15,7 @@ import autopar
 from autopar.capabilities import gemm_padding_problem
 from autopar.cost_models.compute import (DEFAULT_EFFICIENCY, MISALIGNED_GEMM_FACTOR, op_time_s,
                                          padding_copy_bytes)
-from autopar.cost_models.evaluate import padding_transient_bytes
+from autopar.cost_models.backward_memory import padding_transient_bytes
 from autopar.cost_models.facts import model_facts
 from autopar.graph import trace
 from autopar.graph.paddable import paddable_linears
@@ -179,10 +179,10 @@ def test_plans_price_padding_where_the_runtime_pads_it(facts, wide_facts):
 
 def test_the_padded_copy_of_the_head_s_gradient_does_not_add_to_the_loss_s_gradients(facts):
     """The head's backward peaks at the loss's gradients or at the padded copy beside the 16-bit gradient
-    it copies, whichever is larger (`evaluate.head_gradient_bytes`): eager, two fp32 logits-sized
+    it copies, whichever is larger (`backward_memory.head_gradient_bytes`): eager, two fp32 logits-sized
     gradients (8 B a logit) against 2 + 2·2176/2051 B; compiled whole, one bf16 gradient (2 B) against
     the copy written in its place (2·2176/2051 B)."""
-    from autopar.cost_models.evaluate import head_gradient_bytes, loss_gradient_bytes
+    from autopar.cost_models.backward_memory import head_gradient_bytes, loss_gradient_bytes
 
     logits = 2 * 16 * VOCAB  # micro-batch 2, seq 16
     copy = 2 * 2176 * 2 * 16
