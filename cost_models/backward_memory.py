@@ -9,47 +9,63 @@ from __future__ import annotations
 import math
 
 from autopar.capabilities import gemm_padding_problem
-from autopar.plan_schema import Strategy
+from autopar.plan_schema import ZERO_BUBBLE_SCHEDULES, Strategy
 from autopar.cost_models.compiled_stage import EAGER_SAVED_BYTES_PER_LOGIT, compiled_layers, loss_bytes_per_logit
 from autopar.cost_models.context import rank_batch
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.memory import LossLayout, autocast_states
 from autopar.cost_models.recompute import stage_policies
-from autopar.cost_models.stage_costs import Pricing, autocast_activations, unit_kept_bytes
+from autopar.cost_models.stage_costs import CostCache, Pricing, autocast_activations, unit_kept_bytes
 
 
 def backward_working_bytes(pricing: Pricing, units: list[Unit], stage_index: int) -> float:
     """What one stage's backward holds beyond the micro-batches kept at the rank's peak, the most at any
-    of its units (`unit_working_bytes`). By then the units after it on the stage have freed that
-    micro-batch's activations: a first stage's embedding makes its table-sized fresh gradient late, a
-    middle layer its working gradients early.
+    of its units: the unit's working set (`unit_working_bytes`) and what recompute rebuilds for it. By
+    then the units after it on the stage have freed that micro-batch's activations (not under a split
+    backward, which holds them until the W pass): a first stage's embedding makes its table-sized fresh
+    gradient late, a middle layer its working gradients early. The head's own (the loss's gradients)
+    are `head_gradient_bytes`'.
 
     Measured on CPU/gloo (`benchmarks/rank_memory_cases.py`): a first stage of a 1,024-word vocabulary
     peaked at its MLP's backward with the 4h gradient and the down projection's fresh gradient beside
     both micro-batches' activations (4.5% over this before it was counted); with an 8,000-word table,
     at the embedding's backward with one micro-batch's activations freed (a table's gradient counted
     on top of them was 6% over; GPipe's 23%)."""
-    s = pricing.strategy
+    s, facts = pricing.strategy, pricing.facts
     autocast = autocast_activations(pricing)
+    following = dict(zip((u.name for u in facts.units), (*facts.units[1:], None)))
+    releases = s.schedule not in ZERO_BUBBLE_SCHEDULES
     policies = stage_policies(units, s, stage_index)
     working = freed = 0.0
     for unit, policy in zip(reversed(units), reversed(policies)):
-        working = max(working, unit_working_bytes(pricing.facts, s, unit, autocast) - freed)
-        freed += unit_kept_bytes(unit, s, policy, pricing.cache, autocast, pricing.block_casts_once)[0]
+        kept, transient = unit_kept_bytes(unit, s, policy, pricing.cache, autocast, pricing.block_casts_once)
+        here = transient + unit_working_bytes(s, unit, following.get(unit.name), autocast, pricing.cache,
+                                              holds_loss=bool(facts.vocab) and following.get(unit.name, unit) is None)
+        working = max(working, here - freed)
+        freed += kept if releases else 0.0
     return working
 
 
-def unit_working_bytes(facts: ModelFacts, s: Strategy, unit: Unit, autocast: bool) -> float:
+def unit_working_bytes(s: Strategy, unit: Unit, following: Unit | None, autocast: bool,
+                       cache: CostCache | None = None, holds_loss: bool = False) -> float:
     """What differentiating one unit holds at once for one micro-batch on one rank: the gradient of the
-    stream it sends on (the next unit's input), the gradient of its largest saved tensor (an MLP's
-    4h-wide input to its down projection) and, accumulating without ZeRO, its largest weight's fresh
-    gradient (`accumulated_gradient_bytes`)."""
-    index = next((i for i, other in enumerate(facts.units) if other.name == unit.name), None)
-    after = facts.units[index + 1] if index is not None and index + 1 < len(facts.units) else unit
+    stream it sends on (`following`'s input; the unit's own where none follows), the gradient of its
+    largest saved tensor (an MLP's 4h-wide input to its down projection) and, accumulating without
+    ZeRO, its largest weight's fresh gradient (`accumulated_gradient_bytes`). A unit holding the loss
+    (`holds_loss`) keeps only the last: its gradients in flight are the loss's (`head_gradient_bytes`)."""
+    def own() -> tuple[float, float]:
+        largest = max(((op.autocast_saved_bytes if autocast and op.autocast_saved_bytes is not None
+                        else op.saved_bytes) / (s.tp if op.saved_sharded else 1) for op in unit.forward_ops),
+                      default=0.0)
+        return largest, accumulated_gradient_bytes(s, [unit])
+
+    key = ("working", s.tp, autocast, s.zero >= 1 or s.num_microbatches == 1, s.ep, s.pp > 1)
+    largest, fresh = own() if cache is None else cache.get(unit, key, own)
+    if holds_loss:
+        return fresh
+    after = following or unit
     stream = after.autocast_input_bytes if autocast and after.autocast_input_bytes is not None else after.input_bytes
-    largest = max(((op.autocast_saved_bytes if autocast and op.autocast_saved_bytes is not None else op.saved_bytes)
-                   / (s.tp if op.saved_sharded else 1) for op in unit.forward_ops), default=0.0)
-    return rank_batch(s) * (stream / (s.tp if s.sp else 1) + largest) + accumulated_gradient_bytes(s, [unit])
+    return rank_batch(s) * (stream / (s.tp if s.sp else 1) + largest) + fresh
 
 
 def accumulated_gradient_bytes(s: Strategy, units: list[Unit]) -> float:

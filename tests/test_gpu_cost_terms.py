@@ -166,8 +166,6 @@ def test_a_stage_compiled_whole_keeps_min_cuts_activations_and_one_16_bit_logits
     ratio, the loss's fp32 log-probabilities saved as bf16 logits, and one bf16 gradient of the logits
     in place of eager's two fp32; with recompute, eager's terms; in fp32, min-cut's fp32 ratio."""
     from autopar.cost_models.compiled_stage import COMPILED_ACTIVATION_FACTOR, COMPILED_FP32_ACTIVATION_FACTOR
-    from autopar.cost_models.backward_memory import head_gradient_bytes
-    from autopar.cost_models.evaluate import stage_working_bytes
     from autopar.cost_models.memory import (AUTOCAST_ACTIVATION_FACTOR, UNSHARDED_ALLOCATOR_SLACK,
                                             activation_scale)
 
@@ -178,11 +176,7 @@ def test_a_stage_compiled_whole_keeps_min_cuts_activations_and_one_16_bit_logits
     uncounted = dataclasses.replace(padded, autocast_activation_factor=None)  # at the traced bytes
     eager_traced = evaluate(uncounted, cluster, one, 2).memory[0]
     logits = 2 * padded.seq_len * padded.vocab
-    whole = one.model_copy(update={"compile": True})
-    assert head_gradient_bytes(padded, whole) == pytest.approx(2 * logits)
-    # at this small vocabulary a layer's backward working set (`backward_working_bytes`) is the larger
-    assert eager.buffers == pytest.approx(8 * logits) and compiled.buffers == pytest.approx(
-        max(2 * logits, *stage_working_bytes(padded, cluster, whole)))
+    assert eager.buffers == pytest.approx(8 * logits) and compiled.buffers == pytest.approx(2 * logits)
     assert eager_traced.activations - compiled.activations == pytest.approx((4 - 2) * logits)
     assert eager.activations > 1.1 * eager_traced.activations  # the fp32 residual and per-projection casts
     assert activation_scale("bf16", 0, "none", "fp32", compiled=True) == pytest.approx(
