@@ -20,11 +20,14 @@ from autopar.cost_models.stage_costs import CostCache, Pricing, autocast_activat
 
 def backward_working_bytes(pricing: Pricing, units: list[Unit], stage_index: int) -> float:
     """What one stage's backward holds beyond the micro-batches kept at the rank's peak, the most at any
-    of its units: the unit's working set (`unit_working_bytes`) and what recompute rebuilds for it. By
-    then the units after it on the stage have freed that micro-batch's activations (not under a split
-    backward, which holds them until the W pass): a first stage's embedding makes its table-sized fresh
-    gradient late, a middle layer its working gradients early. The head's own (the loss's gradients)
-    are `head_gradient_bytes`'.
+    of its units (`unit_working_bytes`). By then the units after it on the stage have freed that
+    micro-batch's activations (not under a split backward, which holds them until the W pass): a first
+    stage's embedding makes its table-sized fresh gradient late, a middle layer its working gradients
+    early. The head's own (the loss's gradients) are `head_gradient_bytes`'.
+
+    Under recompute a layer's working set coexists with what recompute rebuilds for it; `rank_memory`
+    takes the larger of the two (under by the smaller), because `recompute.fewest_recomputed_layers`
+    solves for recompute counts with the rest of the peak held fixed: open.
 
     Measured on CPU/gloo (`benchmarks/rank_memory_cases.py`): a first stage of a 1,024-word vocabulary
     peaked at its MLP's backward with the 4h gradient and the down projection's fresh gradient beside
@@ -38,9 +41,9 @@ def backward_working_bytes(pricing: Pricing, units: list[Unit], stage_index: int
     policies = stage_policies(units, s, stage_index)
     working = freed = 0.0
     for unit, policy in zip(reversed(units), reversed(policies)):
-        kept, transient = unit_kept_bytes(unit, s, policy, pricing.cache, autocast, pricing.block_casts_once)
-        here = transient + unit_working_bytes(s, unit, following.get(unit.name), autocast, pricing.cache,
-                                              holds_loss=bool(facts.vocab) and following.get(unit.name, unit) is None)
+        kept = unit_kept_bytes(unit, s, policy, pricing.cache, autocast, pricing.block_casts_once)[0]
+        here = unit_working_bytes(s, unit, following.get(unit.name), autocast, pricing.cache,
+                                  holds_loss=bool(facts.vocab) and following.get(unit.name, unit) is None)
         working = max(working, here - freed)
         freed += kept if releases else 0.0
     return working

@@ -321,8 +321,7 @@ class Refiner:
         # transient at the activation factor and the gradients' excess over it as they are
         # (`evaluate.rank_memory`): bounded from above by the largest transient any unit brings
         loss = head_gradient_bytes(facts, s)
-        rebuilt = [cost.transient_bytes / factor for cost in costs]  # each unit's own, before the loss's
-        largest = max(rebuilt, default=0.0)
+        largest = max((cost.transient_bytes for cost in costs), default=0.0) / factor
         if loss > 0 and costs:
             costs[-1] = dataclasses.replace(costs[-1], transient_bytes=max(
                 costs[-1].transient_bytes, loss + (factor - 1) * largest))
@@ -334,9 +333,9 @@ class Refiner:
             following = facts.units[index + 1] if index + 1 < len(facts.units) else None
             working = unit_working_bytes(s, unit, following, counted, cache,
                                          holds_loss=bool(facts.vocab) and following is None)
-            if working > 0:  # beside what recompute rebuilds for the unit (`backward_working_bytes`)
+            if working > 0:
                 costs[index] = dataclasses.replace(costs[index], transient_bytes=max(
-                    costs[index].transient_bytes, working + rebuilt[index] + (factor - 1) * largest))
+                    costs[index].transient_bytes, working + (factor - 1) * largest))
         if costs and facts.vocab:
             costs[-1] = dataclasses.replace(costs[-1], activation_bytes=costs[-1].activation_bytes + factor
                                             * s.microbatch * facts.seq_len * facts.vocab
