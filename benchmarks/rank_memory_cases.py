@@ -4,10 +4,11 @@ prediction less its allocator margin: tensor storage, what the allocator's event
 
     .venv/bin/python benchmarks/rank_memory_cases.py [--only SUBSTRING]
 
-tests/test_rank_memory.py asserts the tp cases and three pp cases (within 2% below, 5% above; GPipe's
-20% above). On this 2-core VM, with the loss's layout, the last stage's kept logits (sixteenth session)
-and the backward's working set (seventeenth) priced: tp 1.001-1.002, pp 0.983-1.151 (1F1B and the
-small vocabulary 1.000), ZeRO 1.27-1.50 (over, safe). No GPU row has a plan with more than one rank.
+tests/test_rank_memory.py asserts the tp cases and five pp cases (within 2% below, 5% above; GPipe's
+20% above). On this 2-core VM, with the loss's layout, the last stage's kept logits (sixteenth session),
+the backward's working set (seventeenth) and recompute's rebuilt activations beside it (eighteenth)
+priced: tp 1.001-1.002, pp 0.983-1.151 (1F1B and the small vocabulary 1.000; recompute 1.011-1.018),
+ZeRO 1.27-1.50 (over, safe). No GPU row has a plan with more than one rank.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 GPT = "layers=2,hidden=256,heads=4,vocab=8000,seq_len=256"
+LONG = "layers=4,hidden=256,heads=4,vocab=1024,seq_len=1024"  # activations outweigh the weights: recompute's cases
 # (label, zoo model, config, strategy, precision, world, use_ilp)
 CASES = [
     ("tp=2 vocab-parallel head", "gpt", GPT, dict(dp=1, tp=2, pp=1, zero=0, microbatch=4), "fp32", 2, False),
@@ -36,6 +38,10 @@ CASES = [
      "fp32", 2, False),
     ("pp=2 vocabulary 1,024", "gpt", GPT.replace("vocab=8000", "vocab=1024"),
      dict(dp=1, tp=1, pp=2, zero=0, microbatch=1, schedule="1f1b"), "fp32", 2, False),
+    ("pp=2 full recompute, 1,024 positions", "gpt", LONG, dict(dp=1, tp=1, pp=2, zero=0, microbatch=1,
+                                                                  schedule="1f1b", recompute="full"), "fp32", 2, False),
+    ("pp=2 selective recompute, 1,024 positions", "gpt", LONG,
+     dict(dp=1, tp=1, pp=2, zero=0, microbatch=1, schedule="1f1b", recompute="selective"), "fp32", 2, False),
     ("dp=2 zero=3", "gpt", GPT, dict(dp=2, tp=1, pp=1, zero=3, microbatch=2), "fp32", 2, False),
     ("dp=2 zero=1", "gpt", GPT, dict(dp=2, tp=1, pp=1, zero=1, microbatch=2), "fp32", 2, False),
 ]

@@ -1,12 +1,13 @@
 """What a stage's backward holds beside its kept activations, at its largest: the loss's gradients at
-the head (and a padded layer's copied output gradient), a unit's gradients in flight, and a weight's
-fresh gradient where micro-batches accumulate. `evaluate.rank_memory` adds the larger of them to each
+the head (and a padded layer's copied output gradient), a unit's gradients in flight beside what
+recompute rebuilds for it, and a weight's fresh gradient where micro-batches accumulate. `evaluate.rank_memory` adds the larger of them to each
 pipeline rank's peak.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 from autopar.capabilities import gemm_padding_problem
 from autopar.plan_schema import ZERO_BUBBLE_SCHEDULES, Strategy
@@ -19,34 +20,39 @@ from autopar.cost_models.stage_costs import CostCache, Pricing, autocast_activat
 
 
 def backward_working_bytes(pricing: Pricing, units: list[Unit], stage_index: int) -> float:
-    """What one stage's backward holds beyond the micro-batches kept at the rank's peak, the most at any
-    of its units (`unit_working_bytes`). By then the units after it on the stage have freed that
-    micro-batch's activations (not under a split backward, which holds them until the W pass): a first
-    stage's embedding makes its table-sized fresh gradient late, a middle layer its working gradients
-    early. The head's own (the loss's gradients) are `head_gradient_bytes`'.
+    """`stage_backward_bytes` of stage `stage_index` under the plan's recompute policies."""
+    s, facts = pricing.strategy, pricing.facts
+    return stage_backward_bytes(s, units, stage_policies(units, s, stage_index), pricing.next_units.get,
+                                facts.units[-1].name if facts.vocab and facts.units else None,
+                                autocast_activations(pricing), pricing.block_casts_once, pricing.cache)
 
-    Under recompute a layer's working set coexists with what recompute rebuilds for it; `rank_memory`
-    takes the larger of the two (under by the smaller), because `recompute.fewest_recomputed_layers`
-    solves for recompute counts with the rest of the peak held fixed: open.
+
+def stage_backward_bytes(s: Strategy, units: Sequence[Unit], policies: Sequence[str],
+                         next_unit: Callable[[str], Unit | None], loss_unit: str | None, autocast: bool,
+                         casts_once: bool, cache: CostCache | None = None) -> float:
+    """What one stage's backward holds beyond the micro-batches kept at the rank's peak, the most at any
+    of its units: the unit's working set (`unit_working_bytes`) and what recompute rebuilds for it (its
+    activations under `policy`, `stage_costs.unit_kept_bytes`), both held while it is differentiated,
+    less what the units after it on the stage have already freed of that micro-batch (nothing under a
+    split backward, which holds them until the W pass). A first stage's embedding makes its table-sized
+    fresh gradient late, a middle layer its working gradients early. `loss_unit` (the model's last, when
+    it ends in a vocabulary's loss) keeps only its fresh gradient: the loss's are `head_gradient_bytes`'.
 
     Measured on CPU/gloo (`benchmarks/rank_memory_cases.py`): a first stage of a 1,024-word vocabulary
     peaked at its MLP's backward with the 4h gradient and the down projection's fresh gradient beside
     both micro-batches' activations (4.5% over this before it was counted); with an 8,000-word table,
     at the embedding's backward with one micro-batch's activations freed (a table's gradient counted
-    on top of them was 6% over; GPipe's 23%)."""
-    s, facts = pricing.strategy, pricing.facts
-    autocast = autocast_activations(pricing)
-    following = dict(zip((u.name for u in facts.units), (*facts.units[1:], None)))
+    on top of them was 6% over; GPipe's 23%). Under full recompute of a 1,024-position stage, the
+    rebuilt layer's activations and its working set were both live: the larger of them alone was 8.5%
+    under."""
     releases = s.schedule not in ZERO_BUBBLE_SCHEDULES
-    policies = stage_policies(units, s, stage_index)
-    working = freed = 0.0
+    held = freed = 0.0
     for unit, policy in zip(reversed(units), reversed(policies)):
-        kept = unit_kept_bytes(unit, s, policy, pricing.cache, autocast, pricing.block_casts_once)[0]
-        here = unit_working_bytes(s, unit, following.get(unit.name), autocast, pricing.cache,
-                                  holds_loss=bool(facts.vocab) and following.get(unit.name, unit) is None)
-        working = max(working, here - freed)
+        kept, rebuilt = unit_kept_bytes(unit, s, policy, cache, autocast, casts_once)
+        here = unit_working_bytes(s, unit, next_unit(unit.name), autocast, cache, holds_loss=unit.name == loss_unit)
+        held = max(held, here + rebuilt - freed)
         freed += kept if releases else 0.0
-    return working
+    return held
 
 
 def unit_working_bytes(s: Strategy, unit: Unit, following: Unit | None, autocast: bool,

@@ -16,7 +16,9 @@ whatever the strategy says).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,7 +29,7 @@ from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_ind
                                              tied_across_ranks)
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.backward_memory import (backward_working_bytes, compiled_loss_saving_bytes,
-                                                head_gradient_bytes)
+                                                head_gradient_bytes, stage_backward_bytes)
 from autopar.cost_models.compiled_stage import compiled_layers
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.context import exchange_buffer_bytes, rank_batch, replicas, sync_layout
@@ -35,11 +37,11 @@ from autopar.cost_models.experts import dispatch_buffer_bytes, replica_layout
 from autopar.cost_models.facts import ModelFacts, Unit
 from autopar.cost_models.implementation import as_run
 from autopar.cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION_MARGIN, LossLayout, MemoryBreakdown,
-                                        activation_scale, device_memory,
+                                        activation_scale, device_memory, fragmentation,
                                         planning_capacity_bytes, state_bytes_per_param)
 from autopar.cost_models.offload import OffloadCost, host_capacity_bytes, node_host_bytes, offload_cost
 from autopar.cost_models.pipeline import PipelineResult, estimate, simulate
-from autopar.cost_models.recompute import fewest_recomputed_layers, one_more_layer
+from autopar.cost_models.recompute import first_layers_policies, fewest_recomputed_layers, one_more_layer
 from autopar.cost_models.stage_costs import (CostCache, Pricing, StageCost, StagePrices, autocast_activations,
                                              price_stages, unit_kept_bytes)
 from autopar.cost_models.optimizer import step_bytes_per_param
@@ -80,6 +82,10 @@ class Evaluation:
     autocast_activations: bool = False
     # Whether a block's input was counted cast once for its projections (`Pricing.block_casts_once`).
     block_casts_once: bool = False
+    # Per pipeline rank, the loss's gradients at the head (`rank_head_bytes`), and the unit holding the
+    # loss (`loss_unit`): what `with_fewest_recomputed_layers` re-prices a rank's backward with.
+    rank_head_bytes: tuple[float, ...] = ()
+    loss_unit: str | None = None
 
     @property
     def fits_host(self) -> bool:
@@ -147,9 +153,10 @@ def evaluate(
         rank_params[rank] += sum(elements for _, elements in tied["copies"])  # a tied head's copy of the embedding
     pipe = run_pipeline(pricing, prices, stages_units, exact)
     tails = rank_tails(pricing, prices, stages_units, rank_params, tied_ranks, overlap_grad_sync and s.dp_overlap)
-    loss = LossLayout.of(s, vocab, vocab_parallel_loss)
-    memory = rank_memory(pricing, prices, pipe, rank_params, stages_units, loss)
-    return summarize(pricing, global_batch, prices, pipe, tails, memory)
+    head_bytes = rank_head_bytes(pricing, len(stages_units), LossLayout.of(s, vocab, vocab_parallel_loss))
+    memory = rank_memory(pricing, prices, pipe, rank_params, stages_units, head_bytes)
+    return dataclasses.replace(summarize(pricing, global_batch, prices, pipe, tails, memory),
+                               rank_head_bytes=head_bytes, loss_unit=loss_unit(pricing.facts))
 
 
 def priced_stages(facts: ModelFacts, s: Strategy, stages: list[list[Unit]] | None
@@ -270,11 +277,12 @@ def rank_tails(pricing: Pricing, prices: StagePrices, stages_units: list[list[Un
 
 
 def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult, rank_params: list[float],
-                stages_units: list[list[Unit]], loss: LossLayout | None = None) -> tuple[MemoryBreakdown, ...]:
+                stages_units: list[list[Unit]], head_bytes: Sequence[float]) -> tuple[MemoryBreakdown, ...]:
     """Each pipeline rank's peak: model states, the micro-batches it holds at its peak, what
     recompute rebuilds for the layer being differentiated, under ep the all-to-all buffers, under cp
-    the attention exchange's (`context.exchange_buffer_bytes`), on the last stage the loss's gradients
-    as `loss` runs it; ZeRO shards over dp × cp."""
+    the attention exchange's (`context.exchange_buffer_bytes`), the larger of the loss's gradients
+    (`head_bytes`, `rank_head_bytes`) and a unit's backward (`backward_working_bytes`: its working set
+    beside what recompute rebuilds for it); ZeRO shards over dp × cp."""
     s = pricing.strategy
     return tuple(
         device_memory(
@@ -294,16 +302,27 @@ def rank_memory(pricing: Pricing, prices: StagePrices, pipe: PipelineResult, ran
             if s.cp > 1 else 0.0,
             num_microbatches=s.num_microbatches, optimizer_impl=s.optimizer_impl, pp=s.pp,
             compiled=compiled_layers(s), autocast_counted=autocast_activations(pricing),
-            # the loss's gradients, or a unit's backward working set (its gradients in flight, a fresh
-            # gradient accumulated into its weight's), live before the first recomputed layer's
-            # transient: the larger counts
-            loss_bytes=max(0.0, max(head_gradient_bytes(pricing.facts, s, loss)
-                                    if len(prices.stages) - 1 in stage_indices else 0.0,
+            # the loss's gradients (live before any layer recomputes) or a unit's backward (its
+            # gradients in flight, a fresh gradient, what recompute rebuilds for it): the larger, beyond
+            # the rank's largest transient (counted in its activations)
+            loss_bytes=max(0.0, max(head_bytes[rank],
                                     max(backward_working_bytes(pricing, stages_units[i], i) for i in stage_indices))
                            - max(prices.stages[i].transient_bytes for i in stage_indices)),
         )
         for rank, stage_indices in enumerate(rank_stages(s, len(prices.stages)))
     )
+
+
+def rank_head_bytes(pricing: Pricing, stages: int, loss: LossLayout | None = None) -> tuple[float, ...]:
+    """Per pipeline rank, the loss's gradients at the head (`head_gradient_bytes`): the last stage's rank's."""
+    s = pricing.strategy
+    return tuple(head_gradient_bytes(pricing.facts, s, loss) if stages - 1 in stage_indices else 0.0
+                 for stage_indices in rank_stages(s, stages))
+
+
+def loss_unit(facts: ModelFacts) -> str | None:
+    """The unit whose backward starts from the loss's gradients: a language model's last (its head)."""
+    return facts.units[-1].name if facts.vocab and facts.units else None
 
 
 def stage_working_bytes(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy) -> list[float]:
@@ -389,12 +408,25 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
     def transient(unit: Unit) -> float:
         return saved[id(unit)][2]
 
+    in_order = [u for units in stages for u in units]
+    next_units = dict(zip((u.name for u in in_order), (*in_order[1:], None)))
+    backward: dict[tuple[int, int], float] = {}
+
+    def backward_bytes(stage: int, count: int) -> float:
+        if (stage, count) not in backward:
+            units = stages[stage]
+            backward[stage, count] = stage_backward_bytes(
+                s, units, first_layers_policies(units, s.recompute, count), next_units.get, evaluation.loss_unit,
+                autocast, once, cache)
+        return backward[stage, count]
+
     counts = fewest_recomputed_layers(
         strategy=s, stages=stages, total_bytes=[m.total_bytes for m in evaluation.memory],
         activation_bytes=[m.activations for m in evaluation.memory],
         stage_activation_bytes=[c.activation_bytes for c in evaluation.stages],
         margin_ratio=evaluation.activation_scale, capacity_bytes=evaluation.capacity_bytes,
-        keeps_bytes=keeps, transient_bytes=transient)
+        keeps_bytes=keeps, transient_bytes=transient, head_bytes=evaluation.rank_head_bytes,
+        backward_bytes=backward_bytes, buffer_scale=1 + fragmentation(s.zero, s.offload, s.optimizer_state))
     layers = [sum(1 for u in units if u.layer_type is not None) for units in stages]
     for _ in range(4):
         if counts is None or list(counts) == layers or not any(counts):

@@ -13,8 +13,8 @@ torch's MemTracker, `_unsharded_peak`):
   sample at tp=1, 4·s·h with tp=8 and sp, vs their 34 and 4.25 with dropout masks). The backward's
   transient gradients: the head's (two fp32 logits-sized gradients, one in the logits' dtype for a
   stage compiled whole) on the last stage (`backward_memory.loss_gradient_bytes`); a layer's in flight (the
-  stream's and its largest saved tensor's) with an accumulated weight's fresh gradient on any stage
-  (`backward_memory.backward_working_bytes`); the larger counts.
+  stream's and its largest saved tensor's) with an accumulated weight's fresh gradient, beside what
+  recompute rebuilds for it, on any stage (`backward_memory.backward_working_bytes`); the larger counts.
 - Tensor parallelism: the head's saved logits are counted vocabulary-parallel (divided by tp) on every
   stage, as Megatron-LM runs them; autopar's runtime gathers them on a pipeline's last stage, so
   its pp > 1, tp > 1 last stage is under-predicted by (tp−1)/tp of the logits. The loss's gradients
@@ -23,7 +23,8 @@ torch's MemTracker, `_unsharded_peak`):
 - Pipeline stages (`benchmarks/rank_memory_cases.py`, CPU/gloo, tiny shapes) measured within −1.7% and
   +15% of their prediction once the last stage's kept logits (`stage_costs.retained_output_bytes`) and
   the backward's working set (`backward_memory.backward_working_bytes`) were counted: 1F1B within 0.1%, GPipe's
-  first stage 15% over (its most micro-batches in flight come before any gradient exists; priced together).
+  first stage 15% over (its most micro-batches in flight come before any gradient exists; priced together);
+  full and selective recompute of 1,024-position stages 1.1-1.8% over.
 - Gradients are held at the compute precision (2 bytes); Megatron-LM accumulates them in an fp32
   buffer (4 bytes), so its runs hold 2 bytes per parameter more than predicted here.
 - The fragmentation margin under ZeRO and the CUDA/NCCL reserve are nominal (below); without ZeRO the

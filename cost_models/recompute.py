@@ -10,7 +10,7 @@ with k per stage instead of one k for all).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from autopar.plan_schema import Strategy
 from autopar.cost_models.facts import Unit
@@ -23,13 +23,18 @@ def stage_policies(units: Sequence[Unit], strategy: Strategy, stage_index: int) 
     layers = sum(1 for u in units if u.layer_type is not None)
     if limit is not None and limit > layers:
         raise ValueError(f"recompute_layers asks stage {stage_index} to recompute {limit} layers but it holds {layers}")
+    return first_layers_policies(units, s.recompute, layers if limit is None else limit)
+
+
+def first_layers_policies(units: Sequence[Unit], policy: str, count: int) -> list[str]:
+    """`policy` for the first `count` layers of `units`, "none" for the rest and for non-layer units."""
     policies = []
     seen = 0
     for unit in units:
         if unit.layer_type is None:
             policies.append("none")
             continue
-        policies.append(s.recompute if (limit is None or seen < limit) else "none")
+        policies.append(policy if seen < count else "none")
         seen += 1
     return policies
 
@@ -53,6 +58,9 @@ def fewest_recomputed_layers(
     capacity_bytes: float,
     keeps_bytes,
     transient_bytes,
+    head_bytes: Sequence[float] = (),
+    backward_bytes: Callable[[int, int], float] | None = None,
+    buffer_scale: float = 1.0,
 ) -> tuple[int, ...] | None:
     """Per stage, the fewest first layers that must recompute for every pipeline rank to fit,
     from an evaluation in which every layer recomputes (`strategy.recompute_layers` None).
@@ -64,7 +72,10 @@ def fewest_recomputed_layers(
     activations ∝ stage weights, exact for 1F1B and GPipe, close for interleaved); the rank's
     transient becomes the largest `transient_bytes(unit)` still recomputed. `margin_ratio` scales
     activation bytes to the peak (fragmentation margin). A rank's layers are spread over its chunks
-    (`spread_layers`). Returns None when every layer must still recompute.
+    (`spread_layers`). Past its transient, a rank holds the larger of `head_bytes[r]` (the loss's
+    gradients) and `backward_bytes(stage, k)` (the stage's backward with its first k layers recomputing:
+    a unit's working set beside what recompute rebuilds for it), at `buffer_scale` device bytes per byte.
+    Returns None when every layer must still recompute.
     """
     s = strategy
     pp, count = s.pp, len(stages)
@@ -77,11 +88,20 @@ def fewest_recomputed_layers(
         weight = sum(stage_activation_bytes[c] for c in chunks)
         held = (activation_bytes[rank] - transient_all) / weight if weight > 0 else 0.0
         base = total_bytes[rank] - margin_ratio * activation_bytes[rank]
+        head = head_bytes[rank] if head_bytes else 0.0
+
+        def beyond(spread: Sequence[int], transient: float) -> float:
+            if backward_bytes is None:
+                return 0.0
+            return max(0.0, max(head, *(backward_bytes(c, k) for c, k in zip(chunks, spread))) - transient)
+
+        every = beyond(sizes, transient_all)
         for total in range(sum(sizes) + 1):  # the first total that fits is the fewest: memory falls as it grows
             spread = spread_layers(total, sizes)
             kept = sum(keeps_bytes(u) for c, k in zip(chunks, spread) for u in layers[c][k:])
             transient = max((transient_bytes(u) for c, k in zip(chunks, spread) for u in layers[c][:k]), default=0.0)
-            if base + margin_ratio * (held * (weight + kept) + transient) <= capacity_bytes:
+            if (base + margin_ratio * (held * (weight + kept) + transient)
+                    + buffer_scale * (beyond(spread, transient) - every) <= capacity_bytes):
                 for c, k in zip(chunks, spread):
                     counts[c] = k
                 break

@@ -9,6 +9,7 @@ each unit's costs once per distinct argument set.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import math
 from collections.abc import Callable, Sequence
@@ -154,6 +155,12 @@ class Pricing:
     # tp > 1 realized by the module rules, which cast a block's input once for all its projections
     # (`runtime/tensor_parallel/autocast.py`); False: each projection casts its own (DTensor's, unknown)
     block_casts_once: bool = False
+
+    @functools.cached_property
+    def next_units(self) -> dict[str, Unit | None]:
+        """Each unit's successor in the model (None after the last): whose input its backward's gradient is."""
+        units = self.facts.units
+        return dict(zip((u.name for u in units), (*units[1:], None)))
 
     def autocast_runs(self) -> bool:
         """`runs_autocast` for this plan, unless a floor fixes it."""

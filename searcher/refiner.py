@@ -290,7 +290,7 @@ class Refiner:
         factor, counted = activation_terms(facts, s)
         batch = rank_batch(s)
         tp_layout = group_layout(s.tp, 1, self.cluster.gpus_per_node)
-        costs = []
+        costs, rebuilt = [], []
         gpu, cache = self.cluster.gpu, self.cost_cache
         # balanced on what the plan runs: autocast's bytes where the runtime runs autocast
         efficiency = dataclasses.replace(self.efficiency, autocast=runs_autocast(s, facts.precision))
@@ -311,6 +311,7 @@ class Refiner:
             # a tied weight's copy on another rank (the head's of the embedding), as `evaluate` adds it
             copies = sum(elements / (s.tp if sharded else 1) for _, elements, sharded in unit.borrowed) \
                 if s.pp > 1 else 0.0
+            rebuilt.append(transient)
             costs.append(UnitCost(
                 time_s=t.forward_s + t.backward_s + comm + recompute,
                 state_bytes=(unit.params_on_device(s.tp) + copies) * state,
@@ -325,17 +326,17 @@ class Refiner:
         if loss > 0 and costs:
             costs[-1] = dataclasses.replace(costs[-1], transient_bytes=max(
                 costs[-1].transient_bytes, loss + (factor - 1) * largest))
-        # so does a unit's backward working set (`unit_working_bytes`: its gradients in flight, a weight's
-        # fresh gradient beside the one it accumulates into), on whichever stage holds the unit, weighed
-        # whole (the evaluator frees the units after it first); and the last stage keeps each in-flight
-        # micro-batch's logits
+        # so does a unit's backward (`backward_memory.stage_backward_bytes`: its gradients in flight, a
+        # weight's fresh gradient beside the one it accumulates into, what recompute rebuilds for it), on
+        # whichever stage holds the unit, weighed whole (the evaluator frees the units after it first); and
+        # the last stage keeps each in-flight micro-batch's logits
         for index, unit in enumerate(facts.units):
             following = facts.units[index + 1] if index + 1 < len(facts.units) else None
             working = unit_working_bytes(s, unit, following, counted, cache,
                                          holds_loss=bool(facts.vocab) and following is None)
             if working > 0:
                 costs[index] = dataclasses.replace(costs[index], transient_bytes=max(
-                    costs[index].transient_bytes, working + (factor - 1) * largest))
+                    costs[index].transient_bytes, working + rebuilt[index] + (factor - 1) * largest))
         if costs and facts.vocab:
             costs[-1] = dataclasses.replace(costs[-1], activation_bytes=costs[-1].activation_bytes + factor
                                             * s.microbatch * facts.seq_len * facts.vocab
