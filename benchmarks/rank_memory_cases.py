@@ -42,6 +42,7 @@ CASES = [
                                                                   schedule="1f1b", recompute="full"), "fp32", 2, False),
     ("pp=2 selective recompute, 1,024 positions", "gpt", LONG,
      dict(dp=1, tp=1, pp=2, zero=0, microbatch=1, schedule="1f1b", recompute="selective"), "fp32", 2, False),
+    ("pp=2 x tp=2", "gpt", GPT, dict(dp=1, tp=2, pp=2, zero=0, microbatch=1, schedule="1f1b"), "fp32", 4, False),
     ("dp=2 zero=3", "gpt", GPT, dict(dp=2, tp=1, pp=1, zero=3, microbatch=2), "fp32", 2, False),
     ("dp=2 zero=1", "gpt", GPT, dict(dp=2, tp=1, pp=1, zero=1, microbatch=2), "fp32", 2, False),
 ]
@@ -115,7 +116,7 @@ def run(cases) -> list[dict]:
         for case, (_, predicted), ranks in zip(group, plans, run_plans(world, jobs, runner=measure_job)):
             for rank, measured in enumerate(ranks):
                 expected = predicted[measured["pp_rank"]]
-                rows.append({"case": case[0], "rank": rank, "measured_bytes": measured["peak_bytes"],
+                rows.append({"case": case[0], "rank": rank, "pp_rank": measured["pp_rank"], "measured_bytes": measured["peak_bytes"],
                              "worst_measured_bytes": measured["worst_peak_bytes"], "predicted_bytes": expected,
                              "ratio": expected / measured["peak_bytes"],
                              "worst_ratio": expected / measured["worst_peak_bytes"]})

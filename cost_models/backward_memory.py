@@ -1,7 +1,8 @@
 """What a stage's backward holds beside its kept activations, at its largest: the loss's gradients at
 the head (and a padded layer's copied output gradient), a unit's gradients in flight beside what
-recompute rebuilds for it, and a weight's fresh gradient where micro-batches accumulate. `evaluate.rank_memory` adds the larger of them to each
-pipeline rank's peak.
+recompute rebuilds for it, a weight's fresh gradient where micro-batches accumulate and, under tp, a
+vocabulary-parallel lookup's whole-table gradient. `evaluate.rank_memory` adds the larger of the head's
+and a unit's to each pipeline rank's peak.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def unit_working_bytes(s: Strategy, unit: Unit, following: Unit | None, autocast
         largest = max(((op.autocast_saved_bytes if autocast and op.autocast_saved_bytes is not None
                         else op.saved_bytes) / (s.tp if op.saved_sharded else 1) for op in unit.forward_ops),
                       default=0.0)
-        return largest, accumulated_gradient_bytes(s, [unit])
+        return largest, accumulated_gradient_bytes(s, [unit]) + lookup_gradient_bytes(s, unit)
 
     key = ("working", s.tp, autocast, s.zero >= 1 or s.num_microbatches == 1, s.ep, s.pp > 1)
     largest, fresh = own() if cache is None else cache.get(unit, key, own)
@@ -75,6 +76,21 @@ def unit_working_bytes(s: Strategy, unit: Unit, following: Unit | None, autocast
     after = following or unit
     stream = after.autocast_input_bytes if autocast and after.autocast_input_bytes is not None else after.input_bytes
     return rank_batch(s) * (stream / (s.tp if s.sp else 1) + largest) + fresh
+
+
+def lookup_gradient_bytes(s: Strategy, unit: Unit) -> float:
+    """A vocabulary-parallel embedding's backward under tp: the runtime shards its table by rows
+    (`RowwiseParallel`, a DTensor), and DTensor has no row-sharded strategy for the lookup's backward
+    (torch's `embedding_dense_backward_strategy` offers column shards, partial sums or replicas), so it
+    makes the whole table's gradient, partial over tp, before it reduces that to the rank's rows. Measured
+    on CPU/gloo (`benchmarks/rank_memory_cases.py`, pp = 2 × tp = 2): the first stage peaked in the
+    lookup's backward with two whole fp32 tables' gradients alive, 0.79 of the model before they were
+    counted. Counted: two fp32 tables, the largest such table of the unit."""
+    if s.tp == 1 or not unit.param_looked_up:
+        return 0.0
+    tables = [math.prod(shape) for (shape, split), looked_up in zip(unit.param_shapes, unit.param_looked_up)
+              if looked_up and split == 0]
+    return 2 * 4.0 * max(tables, default=0)
 
 
 def accumulated_gradient_bytes(s: Strategy, units: list[Unit]) -> float:

@@ -149,6 +149,8 @@ class Unit:
     # Parallel to param_shapes: False for a parameter no op reads. It gets no gradient, so FSDP2
     # reduce-scatters nothing for it; a dp bucket still all-reduces its (zero) gradient.
     param_read: tuple[bool, ...] = ()
+    # Parallel to param_shapes: True for a table an embedding lookup reads (`backward_memory.lookup_gradient_bytes`).
+    param_looked_up: tuple[bool, ...] = ()
     # Per sample, `input_bytes` at autocast's dtypes (the fp32 residual); None: not counted (fp32 trace).
     autocast_input_bytes: float | None = None
 
@@ -274,6 +276,8 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
     first_input = unit_input_bytes(graph, unit_of, per_sample)
     autocast_input = unit_input_bytes(graph, unit_of, per_sample, autocast_dtypes) if autocast_dtypes else None
     cuts = cut_tensors(graph, unit_of, order, per_sample, autocast_dtypes)
+    looked_up = {p for node in graph.nodes if node.phase == "forward" and op_packet(node) == "embedding"
+                 for p in node.params}
     elementwise_read = {p for node in graph.nodes if node.phase == "forward"
                         and op_packet(node) not in CONTRACTIONS and op_packet(node) != "embedding" for p in node.params}
     # read along the sequence: a table whose second-to-last dimension is the sequence's (seq, hidden)
@@ -306,6 +310,7 @@ def model_facts(graph: OpGraph, heads: int | None = None, kv_heads: int | None =
                                for p, u in owner.items() if u == name),
             param_trainable=tuple(params[p].trainable for p, u in owner.items() if u == name),
             param_read=tuple(p in read_anywhere for p, u in owner.items() if u == name),
+            param_looked_up=tuple(p in looked_up for p, u in owner.items() if u == name),
             padded_gemms=any(op.gemm is not None and op.gemm.padding is not None for op in ops_by_unit[name]),
             autocast_input_bytes=None if autocast_input is None else autocast_input.get(name, 0.0),
         )

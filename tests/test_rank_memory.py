@@ -151,6 +151,35 @@ def test_each_rank_peaks_as_priced(label, low, high):
         assert row["worst_ratio"] >= low - 0.03, row  # gloo's race: up to 3 activation buffers (`step_peak_bytes`)
 
 
+def test_a_vocabulary_parallel_lookup_makes_the_whole_tables_gradient(gpt_256):
+    """Under tp the embedding's backward holds two fp32 gradients of its whole table (1,024 × 256 in
+    conftest's GPT), not of its rows; nothing without tp, nothing for a layer (no lookup)."""
+    from autopar.cost_models.backward_memory import lookup_gradient_bytes
+
+    _, _, facts = gpt_256
+    pre, layer = facts.units[:2]
+    assert any(pre.param_looked_up) and not any(layer.param_looked_up)
+    assert lookup_gradient_bytes(_strategy(tp=2), pre) == 2 * 4 * 1024 * 256
+    assert lookup_gradient_bytes(_strategy(tp=4), pre) == 2 * 4 * 1024 * 256
+    assert lookup_gradient_bytes(_strategy(), pre) == 0
+    assert lookup_gradient_bytes(_strategy(tp=2), layer) == 0
+
+
+def test_pipeline_stages_under_tensor_parallelism_peak_as_priced():
+    """pp = 2 × tp = 2 (4 gloo processes). The first stage peaks in its vocabulary-parallel embedding's
+    backward, where DTensor makes the whole table's gradient (`lookup_gradient_bytes`): 0.79 of the
+    model before it was counted, now over (the model holds every gradient and the fresh one at once).
+    The last stage is under by 7-8%, not yet explained (open): asserted no further under."""
+    import rank_memory_cases
+
+    (case,) = [case for case in rank_memory_cases.CASES if case[0] == "pp=2 x tp=2"]
+    rows = rank_memory_cases.run([case])
+    assert len(rows) == 4
+    for row in rows:
+        low, high = (0.98, 1.25) if row["pp_rank"] == 0 else (0.90, 1.05)
+        assert low <= row["ratio"] <= high, row
+
+
 def test_a_dry_run_plan_prices_its_column_parallel_head_as_the_analytic_one_does(gpt_256):
     """The search prices a model whose tp is decided by dry runs (`capabilities_for`) from what they
     send; its head's sharding comes from the placements (`head_shards_vocabulary`), so the zoo GPT at
