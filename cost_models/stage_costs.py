@@ -570,14 +570,28 @@ def _expert_all_to_alls_s(pricing: Pricing, units: Sequence[Unit], policies: Seq
 
 
 def retained_output_bytes(pricing: Pricing, index: int, stages: int) -> float:
-    """What a pipeline's last stage keeps per micro-batch beside its saved activations: torch's pipelining
-    holds each stage's output until that micro-batch's backward (`fwd_cache`), and the last stage's is
-    the logits, whole over tp (gathered for the loss), in the compute precision. Measured on CPU/gloo
-    (`benchmarks/rank_memory_cases.py`): at its peak the last stage held one logits-sized tensor per
-    micro-batch in flight that the graph's saved tensors do not count. Other stages' outputs (one
-    hidden state each) are left out."""
-    s, facts = pricing.strategy, pricing.facts
-    if s.pp == 1 or index != stages - 1 or not facts.vocab:
+    """`last_stage_kept_bytes` on a pipeline's last stage, 0 elsewhere."""
+    s = pricing.strategy
+    if s.pp == 1 or index != stages - 1:
         return 0.0
-    return s.microbatch * facts.seq_len * facts.vocab * logit_element_bytes(facts.precision)
+    return last_stage_kept_bytes(pricing.facts, s, autocast_activations(pricing))
 
+
+def last_stage_kept_bytes(facts: ModelFacts, s: Strategy, autocast: bool) -> float:
+    """What a pipeline's last stage keeps per micro-batch beside the saved activations its units count.
+    Torch's pipelining holds each stage's output until that micro-batch's backward (`fwd_cache`); the
+    last stage's is the logits, whole over tp (gathered for the loss), in the compute precision. The
+    loss, run on those whole logits, saves its log-probabilities whole, where the facts count the last
+    unit's vocabulary-sharded tensors as tp shards (Megatron-LM's layout): (tp - 1)/tp of them more.
+    Measured on CPU/gloo (`benchmarks/rank_memory_cases.py`): at its peak the last stage held one
+    logits-sized tensor per micro-batch in flight that the graph's saved tensors do not count; under
+    pp = 2 × tp = 2, the log-probabilities whole (0.925 of the model before they were counted). Other
+    stages' outputs (one hidden state each) are left out."""
+    if not facts.vocab:
+        return 0.0
+    logits = s.microbatch * facts.seq_len * facts.vocab * logit_element_bytes(facts.precision)
+    if s.tp == 1 or not facts.units:
+        return logits
+    sharded = sum(op.autocast_saved_bytes if autocast and op.autocast_saved_bytes is not None else op.saved_bytes
+                  for op in facts.units[-1].forward_ops if op.saved_sharded)
+    return logits + rank_batch(s) * sharded * (1 - 1 / s.tp)

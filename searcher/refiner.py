@@ -16,14 +16,14 @@ from autopar.plan_schema import Strategy
 from autopar.cost_models.compute import unit_time
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.context import rank_batch
-from autopar.cost_models.compiled_stage import logit_element_bytes
 from autopar.cost_models.backward_memory import head_gradient_bytes, unit_working_bytes
 from autopar.cost_models.evaluate import (Evaluation, evaluate, partition as even_partition,
                                           with_fewest_recomputed_layers)
 from autopar.cost_models.placed_collectives import PlacedLayout, dry_run_units, placed_units
 from autopar.cost_models.facts import ModelFacts, Unit, model_facts
 from autopar.cost_models.collectives import head_vocab
-from autopar.cost_models.stage_costs import CostCache, runs_autocast, unit_activation_bytes, unit_kept_bytes
+from autopar.cost_models.stage_costs import (CostCache, last_stage_kept_bytes, runs_autocast, unit_activation_bytes,
+                                             unit_kept_bytes)
 from autopar.searcher.candidates import fit_recompute, unfitted
 from autopar.searcher.inter_op import UnitCost, partition as dp_partition
 from autopar.searcher.memory_budget import (LayerBudget, activation_terms, buffer_bytes, layer_budget,
@@ -338,9 +338,8 @@ class Refiner:
                 costs[index] = dataclasses.replace(costs[index], transient_bytes=max(
                     costs[index].transient_bytes, working + rebuilt[index] + (factor - 1) * largest))
         if costs and facts.vocab:
-            costs[-1] = dataclasses.replace(costs[-1], activation_bytes=costs[-1].activation_bytes + factor
-                                            * s.microbatch * facts.seq_len * facts.vocab
-                                            * logit_element_bytes(facts.precision))
+            costs[-1] = dataclasses.replace(costs[-1], activation_bytes=costs[-1].activation_bytes
+                                            + factor * last_stage_kept_bytes(facts, s, counted))
         # interleaved: chunks of 1/vp of the memory each (`inter_op`); the zero-bubble schedules
         # (other placements and orders) as before, each virtual stage priced like a 1F1B stage
         bounds = dp_partition(costs, stages, num_microbatches=s.num_microbatches,
