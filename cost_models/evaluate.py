@@ -141,11 +141,9 @@ def evaluate(
     collectives are a dry run's and `vocab` is not given (None: where `vocab` is, `LossLayout.of`)."""
     s = strategy
     facts, stages_units = priced_stages(facts, s, stages)
-    pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=efficiency, cache=cache or CostCache(),
-                      tp_layout=group_layout(s.tp, 1, cluster.gpus_per_node),
-                      dp_layout=sync_layout(s, cluster.gpus_per_node), vocab=vocab,
-                      recompute_repeats=recompute_repeats, tp_step=tp_step, selective_repeats=selective_repeats,
-                      block_casts_once=s.tp > 1 and tp_realization == "modules")
+    pricing = pricing_for(facts, cluster, s, efficiency=efficiency, cache=cache, vocab=vocab,
+                          recompute_repeats=recompute_repeats, tp_step=tp_step, selective_repeats=selective_repeats,
+                          tp_realization=tp_realization)
     prices = price_stages(pricing, stages_units)
     tied_ranks = tied_across_ranks(stages_units, s.pp, s.tp, s.schedule)
     rank_params = list(prices.rank_params)
@@ -157,6 +155,19 @@ def evaluate(
     memory = rank_memory(pricing, prices, pipe, rank_params, stages_units, head_bytes)
     return dataclasses.replace(summarize(pricing, global_batch, prices, pipe, tails, memory),
                                rank_head_bytes=head_bytes, loss_unit=loss_unit(pricing.facts))
+
+
+def pricing_for(facts: ModelFacts, cluster: ClusterSpec, s: Strategy, *, efficiency: Efficiency = DEFAULT_EFFICIENCY,
+                cache: CostCache | None = None, vocab: int | None = None,
+                recompute_repeats: dict[str, tuple[tuple[str, float], ...]] | None = None,
+                tp_step: tuple[tuple[str, float], ...] = (), selective_repeats: bool = False,
+                tp_realization: str | None = None) -> Pricing:
+    """What one evaluation of `s` shares (`Pricing`); the options mean what they mean to `evaluate`."""
+    return Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=efficiency, cache=cache or CostCache(),
+                   tp_layout=group_layout(s.tp, 1, cluster.gpus_per_node),
+                   dp_layout=sync_layout(s, cluster.gpus_per_node), vocab=vocab,
+                   recompute_repeats=recompute_repeats, tp_step=tp_step, selective_repeats=selective_repeats,
+                   block_casts_once=s.tp > 1 and tp_realization == "modules")
 
 
 def priced_stages(facts: ModelFacts, s: Strategy, stages: list[list[Unit]] | None
@@ -329,8 +340,7 @@ def stage_working_bytes(facts: ModelFacts, cluster: ClusterSpec, strategy: Strat
     """Each stage's `backward_working_bytes` under the even split and `evaluate`'s defaults."""
     s = strategy
     facts, stages_units = priced_stages(facts, s, None)
-    pricing = Pricing(facts=facts, cluster=cluster, strategy=s, efficiency=DEFAULT_EFFICIENCY, cache=CostCache(),
-                      tp_layout=group_layout(s.tp, 1, cluster.gpus_per_node), dp_layout=sync_layout(s, cluster.gpus_per_node))
+    pricing = pricing_for(facts, cluster, s)
     return [backward_working_bytes(pricing, units, index) for index, units in enumerate(stages_units)]
 
 
