@@ -85,11 +85,14 @@ def lookup_gradient_bytes(s: Strategy, unit: Unit) -> float:
     makes the whole table's gradient, partial over tp, before it reduces that to the rank's rows. Measured
     on CPU/gloo (`benchmarks/rank_memory_cases.py`, pp = 2 × tp = 2): the first stage peaked in the
     lookup's backward with two whole fp32 tables' gradients alive, 0.79 of the model before they were
-    counted. Counted: two fp32 tables, the largest such table of the unit."""
+    counted. Counted: two fp32 tables, the largest trainable such table of the unit (over where the
+    parameters are 16-bit, and for a table the ILP shards by columns: `param_tp_dims` marks looked-up
+    tables row-sharded)."""
     if s.tp == 1 or not unit.param_looked_up:
         return 0.0
-    tables = [math.prod(shape) for (shape, split), looked_up in zip(unit.param_shapes, unit.param_looked_up)
-              if looked_up and split == 0]
+    trainable = unit.param_trainable or (True,) * len(unit.param_shapes)
+    tables = [math.prod(shape) for (shape, split), looked_up, trains
+              in zip(unit.param_shapes, unit.param_looked_up, trainable) if looked_up and trains and split == 0]
     return 2 * 4.0 * max(tables, default=0)
 
 

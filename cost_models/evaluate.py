@@ -86,6 +86,8 @@ class Evaluation:
     # loss (`loss_unit`): what `with_fewest_recomputed_layers` re-prices a rank's backward with.
     rank_head_bytes: tuple[float, ...] = ()
     loss_unit: str | None = None
+    # Each stage's units as priced (`priced_stages`: the attention and dropout the plan runs).
+    priced_units: tuple[tuple[Unit, ...], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def fits_host(self) -> bool:
@@ -154,7 +156,8 @@ def evaluate(
     head_bytes = rank_head_bytes(pricing, len(stages_units), LossLayout.of(s, vocab, vocab_parallel_loss))
     memory = rank_memory(pricing, prices, pipe, rank_params, stages_units, head_bytes)
     return dataclasses.replace(summarize(pricing, global_batch, prices, pipe, tails, memory),
-                               rank_head_bytes=head_bytes, loss_unit=loss_unit(pricing.facts))
+                               rank_head_bytes=head_bytes, loss_unit=loss_unit(pricing.facts),
+                               priced_units=tuple(tuple(units) for units in stages_units))
 
 
 def pricing_for(facts: ModelFacts, cluster: ClusterSpec, s: Strategy, *, efficiency: Efficiency = DEFAULT_EFFICIENCY,
@@ -404,12 +407,14 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
     s = evaluation.strategy
     if s.recompute == "none" or s.recompute_layers is not None or not evaluation.fits:
         return evaluation
+    # priced as `evaluate` priced them: the units of the attention and dropout the plan runs
+    priced = [list(units) for units in evaluation.priced_units] or stages
     # per unit, computed once: the count search below sums them over every prefix of every rank
     autocast, once = evaluation.autocast_activations, evaluation.block_casts_once
     # (kept without recompute, kept under the policy, held while recomputing the unit)
     saved = {id(u): (unit_kept_bytes(u, s, "none", cache, autocast, once)[0],
                      *unit_kept_bytes(u, s, s.recompute, cache, autocast, once))
-             for units in stages for u in units}
+             for units in priced for u in units}
 
     def keeps(unit: Unit) -> float:
         kept, recomputed, _ = saved[id(unit)]
@@ -418,20 +423,20 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
     def transient(unit: Unit) -> float:
         return saved[id(unit)][2]
 
-    in_order = [u for units in stages for u in units]
+    in_order = [u for units in priced for u in units]
     next_units = dict(zip((u.name for u in in_order), (*in_order[1:], None)))
     backward: dict[tuple[int, int], float] = {}
 
     def backward_bytes(stage: int, count: int) -> float:
         if (stage, count) not in backward:
-            units = stages[stage]
+            units = priced[stage]
             backward[stage, count] = stage_backward_bytes(
                 s, units, first_layers_policies(units, s.recompute, count), next_units.get, evaluation.loss_unit,
                 autocast, once, cache)
         return backward[stage, count]
 
     counts = fewest_recomputed_layers(
-        strategy=s, stages=stages, total_bytes=[m.total_bytes for m in evaluation.memory],
+        strategy=s, stages=priced, total_bytes=[m.total_bytes for m in evaluation.memory],
         activation_bytes=[m.activations for m in evaluation.memory],
         stage_activation_bytes=[c.activation_bytes for c in evaluation.stages],
         margin_ratio=evaluation.activation_scale, capacity_bytes=evaluation.capacity_bytes,
@@ -445,7 +450,7 @@ def with_fewest_recomputed_layers(evaluation: Evaluation, stages: list[list[Unit
         if trial.fits:
             return trial if trial.step_time_s <= evaluation.step_time_s else evaluation
         full_ranks = {r for r, m in enumerate(trial.memory) if m.total_bytes > trial.capacity_bytes}
-        counts = one_more_layer(counts, layers, s.pp, full_ranks)
+        counts = one_more_layer(counts, layers, s.pp, full_ranks, s.schedule)
     return evaluation
 
 

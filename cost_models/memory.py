@@ -21,9 +21,10 @@ torch's MemTracker, `_unsharded_peak`):
   since). The loss's gradients follow the runtime's layout (`LossLayout`). A vocabulary-parallel
   embedding's backward makes its whole table's gradient (`backward_memory.lookup_gradient_bytes`). Without sp, the replicated norm inputs are kept whole on
   each tp rank (counted).
-- Pipeline stages (`benchmarks/rank_memory_cases.py`, CPU/gloo, tiny shapes) measured within −1.7% and
-  +15% of their prediction once the last stage's kept logits (`stage_costs.retained_output_bytes`) and
-  the backward's working set (`backward_memory.backward_working_bytes`) were counted: 1F1B within 0.1%, GPipe's
+- Pipeline stages (`benchmarks/rank_memory_cases.py`, CPU/gloo, tiny shapes) measured within −2.0% and
+  +24% of their prediction once the last stage's kept logits (`stage_costs.last_stage_kept_bytes`) and
+  the backward's working set (`backward_memory.backward_working_bytes`) were counted: 1F1B within 0.2%,
+  pp × tp's first stage 20–24% over (two whole-table gradients beside every gradient), GPipe's
   first stage 15% over (its most micro-batches in flight come before any gradient exists; priced together);
   full and selective recompute of 1,024-position stages 1.1-1.8% over.
 - Gradients are held at the compute precision (2 bytes); Megatron-LM accumulates them in an fp32
@@ -199,7 +200,7 @@ def device_memory(
         return _unsharded_peak(params_on_device, activation_bytes, buffers, loss_bytes, num_microbatches,
                                optimizer_impl, autocast_states(precision, zero, offload, optimizer_state), compiled,
                                autocast_counted)
-    buffers += loss_bytes  # the last stage: the cross entropy's gradients at the head (`backward_memory.loss_gradient_bytes`)
+    buffers += loss_bytes  # the backward past the transient: the head's gradients or a unit's (`evaluate.rank_memory`)
     return MemoryBreakdown(
         parameters=weights, gradients=gradients, optimizer_states=optimizer, activations=activation_bytes,
         buffers=buffers, margin=FRAGMENTATION_MARGIN * (activation_bytes + buffers),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from autopar.plan_schema import Strategy
+from autopar.plan_schema import Strategy, rank_stage_indices
 from autopar.cost_models.facts import Unit
 
 
@@ -81,33 +81,36 @@ def fewest_recomputed_layers(
     pp, count = s.pp, len(stages)
     layers = [[u for u in units if u.layer_type is not None] for units in stages]
     counts = [len(stage_layers) for stage_layers in layers]
-    for rank in range(pp):
-        chunks = list(range(rank, count, pp))
+    for rank, chunks in enumerate(rank_stage_indices(pp, count, s.schedule)):
         sizes = [len(layers[c]) for c in chunks]
         transient_all = max((transient_bytes(u) for c in chunks for u in layers[c]), default=0.0)
         weight = sum(stage_activation_bytes[c] for c in chunks)
         held = (activation_bytes[rank] - transient_all) / weight if weight > 0 else 0.0
         base = total_bytes[rank] - margin_ratio * activation_bytes[rank]
         head = head_bytes[rank] if head_bytes else 0.0
-
-        def beyond(spread: Sequence[int], transient: float) -> float:
-            if backward_bytes is None:
-                return 0.0
-            return max(0.0, max(head, *(backward_bytes(c, k) for c, k in zip(chunks, spread))) - transient)
-
-        every = beyond(sizes, transient_all)
+        every = _beyond_transient(head, backward_bytes, chunks, sizes, transient_all)
         for total in range(sum(sizes) + 1):  # the first total that fits is the fewest: memory falls as it grows
             spread = spread_layers(total, sizes)
             kept = sum(keeps_bytes(u) for c, k in zip(chunks, spread) for u in layers[c][k:])
             transient = max((transient_bytes(u) for c, k in zip(chunks, spread) for u in layers[c][:k]), default=0.0)
+            beyond = _beyond_transient(head, backward_bytes, chunks, spread, transient)
             if (base + margin_ratio * (held * (weight + kept) + transient)
-                    + buffer_scale * (beyond(spread, transient) - every) <= capacity_bytes):
+                    + buffer_scale * (beyond - every) <= capacity_bytes):
                 for c, k in zip(chunks, spread):
                     counts[c] = k
                 break
     if all(k == len(stage_layers) for k, stage_layers in zip(counts, layers)):
         return None
     return tuple(counts)
+
+
+def _beyond_transient(head: float, backward_bytes: Callable[[int, int], float] | None, chunks: Sequence[int],
+                      spread: Sequence[int], transient: float) -> float:
+    """A rank's backward past its transient (`evaluate.rank_memory`'s `loss_bytes`) with `spread` layers
+    of its `chunks` recomputing."""
+    if backward_bytes is None:
+        return 0.0
+    return max(0.0, max(head, *(backward_bytes(c, k) for c, k in zip(chunks, spread))) - transient)
 
 
 def spread_layers(total: int, sizes: Sequence[int]) -> list[int]:
@@ -121,12 +124,14 @@ def spread_layers(total: int, sizes: Sequence[int]) -> list[int]:
     return counts
 
 
-def one_more_layer(counts: Sequence[int], layers: Sequence[int], pp: int, ranks: set[int]) -> tuple[int, ...]:
+def one_more_layer(counts: Sequence[int], layers: Sequence[int], pp: int, ranks: set[int],
+                   schedule: str = "1f1b") -> tuple[int, ...]:
     """`counts` with one more recomputed layer on each of `ranks` (spread as `spread_layers` does);
     `layers`: how many layers each stage holds."""
     result = list(counts)
+    held = rank_stage_indices(pp, len(layers), schedule)
     for rank in ranks:
-        chunks = list(range(rank, len(layers), pp))
+        chunks = held[rank]
         sizes = [layers[c] for c in chunks]
         for c, k in zip(chunks, spread_layers(sum(counts[c] for c in chunks) + 1, sizes)):
             result[c] = k

@@ -148,7 +148,13 @@ def test_recompute_layers_in_strategy_text_and_rules():
     # so since issue #18's fixed per-layer overhead makes a recomputed layer's pass weigh more; issue
     # #29's allocator margin without ZeRO scales the estimate's error: 2.6% measured at a margin of 0.20
     # of the churned bytes, 3% allowed)
-    (dict(pp=2, dp=4, num_microbatches=4, schedule="interleaved", vp=2), 3e-2)])
+    (dict(pp=2, dp=4, num_microbatches=4, schedule="interleaved", vp=2), 3e-2),
+    # priced as run (math attention's scores, dropout's masks), as `evaluate` prices them; zbv's V-shaped
+    # stage placement (a review found the solver pricing both otherwise). zbv's chunks hold very
+    # different numbers of micro-batches, which the linear estimate spreads by stage weight: 5.7% slower
+    # than the fastest fitting vector (eighteenth session), open
+    (dict(attention="math", dropout=0.1), 1e-9),
+    (dict(pp=2, dp=4, num_microbatches=4, schedule="zbv", vp=2), 6e-2)])
 def test_fitted_counts_are_the_fastest_of_every_count_vector(traced, changes, tolerance):
     """Brute force over every per-stage count vector: none that fits is faster than the fitted one
     (1F1B and GPipe); within `tolerance` of the fastest (interleaved)."""
