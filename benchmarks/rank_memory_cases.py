@@ -9,7 +9,7 @@ tests/test_rank_memory.py asserts the tp cases and five pp cases (within 2% belo
 the backward's working set (seventeenth) and recompute's rebuilt activations beside it (eighteenth)
 priced: tp 1.001-1.002, pp 0.983-1.151 (1F1B and the small vocabulary 1.000; recompute 1.011-1.018),
 pp x tp (a table's whole gradient and the last stage's whole log-probabilities, eighteenth) 0.997-0.999
-on the last stage and 1.20-1.24 on the first, ZeRO 1.27-1.50 (over, safe). No GPU row has a plan with
+on the last stage and 1.10-1.14 on the first, ZeRO 1.27-1.50 (over, safe). No GPU row has a plan with
 more than one rank.
 """
 
@@ -99,7 +99,8 @@ def measure_job(job: dict) -> dict:
     plan = Plan.from_json(job["plan"])
     parallel = parallelize(spec.module, plan, loss_fn=spec.loss_fn, precision=job["precision"])
     batch = torch.randint(0, 200, (GLOBAL_BATCH, spec.config.seq_len), generator=torch.Generator().manual_seed(0))
-    measured = step_peak_bytes(parallel, parallel.build_optimizer(1e-4), batch)  # foreach on the CPU
+    # foreach on the CPU; more steps where more processes than cores share the race (`step_peak_bytes`)
+    measured = step_peak_bytes(parallel, parallel.build_optimizer(1e-4), batch, steps=5 if plan.provenance.world_size <= 2 else 10)
     return {**measured, "pp_rank": parallel.layout.pp_rank}
 
 

@@ -61,13 +61,15 @@ def unit_working_bytes(s: Strategy, unit: Unit, following: Unit | None, autocast
     """What differentiating one unit holds at once for one micro-batch on one rank: the gradient of the
     stream it sends on (`following`'s input; the unit's own where none follows), the gradient of its
     largest saved tensor (an MLP's 4h-wide input to its down projection) and, accumulating without
-    ZeRO, its largest weight's fresh gradient (`accumulated_gradient_bytes`). A unit holding the loss
+    ZeRO, its largest weight's fresh gradient (`accumulated_gradient_bytes`) or, under tp, a lookup's
+    whole-table gradients (`lookup_gradient_bytes`), the larger. A unit holding the loss
     (`holds_loss`) keeps only the last: its gradients in flight are the loss's (`head_gradient_bytes`)."""
     def own() -> tuple[float, float]:
         largest = max(((op.autocast_saved_bytes if autocast and op.autocast_saved_bytes is not None
                         else op.saved_bytes) / (s.tp if op.saved_sharded else 1) for op in unit.forward_ops),
                       default=0.0)
-        return largest, accumulated_gradient_bytes(s, [unit]) + lookup_gradient_bytes(s, unit)
+        # the lookup's whole tables come before the rows' fresh gradient they reduce to: the larger
+        return largest, max(accumulated_gradient_bytes(s, [unit]), lookup_gradient_bytes(s, unit))
 
     key = ("working", s.tp, autocast, s.zero >= 1 or s.num_microbatches == 1, s.ep, s.pp > 1)
     largest, fresh = own() if cache is None else cache.get(unit, key, own)

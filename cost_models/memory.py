@@ -22,9 +22,9 @@ torch's MemTracker, `_unsharded_peak`):
   embedding's backward makes its whole table's gradient (`backward_memory.lookup_gradient_bytes`). Without sp, the replicated norm inputs are kept whole on
   each tp rank (counted).
 - Pipeline stages (`benchmarks/rank_memory_cases.py`, CPU/gloo, tiny shapes) measured within −2.0% and
-  +24% of their prediction once the last stage's kept logits (`stage_costs.last_stage_kept_bytes`) and
+  +15% of their prediction once the last stage's kept logits (`stage_costs.last_stage_kept_bytes`) and
   the backward's working set (`backward_memory.backward_working_bytes`) were counted: 1F1B within 0.2%,
-  pp × tp's first stage 20–24% over (two whole-table gradients beside every gradient), GPipe's
+  pp × tp's first stage 10–14% over (two whole-table gradients beside every gradient), GPipe's
   first stage 15% over (its most micro-batches in flight come before any gradient exists; priced together);
   full and selective recompute of 1,024-position stages 1.1-1.8% over.
 - Gradients are held at the compute precision (2 bytes); Megatron-LM accumulates them in an fp32

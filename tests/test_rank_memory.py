@@ -168,8 +168,7 @@ def test_a_vocabulary_parallel_lookup_makes_the_whole_tables_gradient(gpt_256):
 def test_pipeline_stages_under_tensor_parallelism_peak_as_priced():
     """pp = 2 × tp = 2 (4 gloo processes). The first stage peaks in its vocabulary-parallel embedding's
     backward, where DTensor makes the whole table's gradient (`lookup_gradient_bytes`): 0.79 of the
-    model before it was counted, now 1.2 over (the model holds every gradient and the fresh one at
-    once). The last stage runs the loss on whole logits and saves its log-probabilities whole
+    model before it was counted, now 1.10 over (the model holds every gradient at once). The last stage runs the loss on whole logits and saves its log-probabilities whole
     (`last_stage_kept_bytes`): 0.925 of the model before they were counted."""
     import rank_memory_cases
 
@@ -177,7 +176,7 @@ def test_pipeline_stages_under_tensor_parallelism_peak_as_priced():
     rows = rank_memory_cases.run([case])
     assert len(rows) == 4
     for row in rows:
-        low, high = (0.98, 1.25) if row["pp_rank"] == 0 else (0.98, 1.05)
+        low, high = (0.98, 1.15) if row["pp_rank"] == 0 else (0.98, 1.05)
         assert low <= row["ratio"] <= high, row
 
 
