@@ -24,8 +24,13 @@ def backward_working_bytes(pricing: Pricing, units: list[Unit], stage_index: int
     """`stage_backward_bytes` of stage `stage_index` under the plan's recompute policies."""
     s, facts = pricing.strategy, pricing.facts
     return stage_backward_bytes(s, units, stage_policies(units, s, stage_index), pricing.next_units.get,
-                                facts.units[-1].name if facts.vocab and facts.units else None,
+                                loss_unit(facts),
                                 autocast_activations(pricing), pricing.block_casts_once, pricing.cache)
+
+
+def loss_unit(facts: ModelFacts) -> str | None:
+    """The unit whose backward starts from the loss's gradients: a language model's last (its head)."""
+    return facts.units[-1].name if facts.vocab and facts.units else None
 
 
 def stage_backward_bytes(s: Strategy, units: Sequence[Unit], policies: Sequence[str],

@@ -29,7 +29,7 @@ from autopar.cost_models.collectives import (GRADIENT_REDUCE_BYTES, sequence_ind
                                              tied_across_ranks)
 from autopar.cost_models.communication import collective_time_s, group_layout
 from autopar.cost_models.backward_memory import (backward_working_bytes, compiled_loss_saving_bytes,
-                                                head_gradient_bytes, stage_backward_bytes)
+                                                head_gradient_bytes, loss_unit, stage_backward_bytes)
 from autopar.cost_models.compiled_stage import compiled_layers
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from autopar.cost_models.context import exchange_buffer_bytes, rank_batch, replicas, sync_layout
@@ -332,11 +332,6 @@ def rank_head_bytes(pricing: Pricing, stages: int, loss: LossLayout | None = Non
     s = pricing.strategy
     return tuple(head_gradient_bytes(pricing.facts, s, loss) if stages - 1 in stage_indices else 0.0
                  for stage_indices in rank_stages(s, stages))
-
-
-def loss_unit(facts: ModelFacts) -> str | None:
-    """The unit whose backward starts from the loss's gradients: a language model's last (its head)."""
-    return facts.units[-1].name if facts.vocab and facts.units else None
 
 
 def stage_working_bytes(facts: ModelFacts, cluster: ClusterSpec, strategy: Strategy) -> list[float]:
